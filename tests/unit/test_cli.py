@@ -1,0 +1,130 @@
+"""The pdwire command line, run in-process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdwire import cli, encode_pull
+from pdwire.vectors import seed_pull
+
+SPEC = Path(__file__).resolve().parents[2] / "spec"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("command", ["decode", "encode", "schema", "vectors", "spec-tables"])
+def test_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--help"])
+    assert exc.value.code == 0
+    assert "usage: pdwire " + command in capsys.readouterr().out
+
+
+def test_decode_raw_and_hex_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = encode_pull(seed_pull())
+    raw, hexed = tmp_path / "p.bin", tmp_path / "p.hex"
+    raw.write_bytes(data)
+    hexed.write_text(data.hex(" ", 16) + "\n")
+    code, out_raw, _ = run(capsys, "decode", str(raw))
+    assert code == 0
+    code, out_hex, _ = run(capsys, "decode", str(hexed))
+    assert code == 0
+    assert json.loads(out_raw) == json.loads(out_hex)
+    assert json.loads(out_raw)["kind"] == "pull"
+
+
+def test_decode_reports_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "bad-tp-rank.msgpack"))
+    assert code == 1
+    assert "$.remote_tp_rank" in err and "§3.2" in err
+
+
+def test_decode_hints_at_json_input(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "pull-legacy-minimal.json"))
+    assert code == 1
+    assert "looks like JSON" in err
+
+
+def test_encode_then_decode_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    message = {"status": 0, "ok_reqs": ["a"], "pdwire_version": 2, "err_codes": None}
+    src = tmp_path / "m.json"
+    src.write_text(json.dumps(message))
+    for profile, keys in (
+        ("legacy", {"status", "ok_reqs"}),
+        ("pdwire/2", {"status", "ok_reqs", "pdwire_version"}),
+    ):
+        out = tmp_path / "m.bin"
+        code, _, _ = run(
+            capsys,
+            "encode",
+            "--kind",
+            "response",
+            "--profile",
+            profile,
+            "--out",
+            str(out),
+            str(src),
+        )
+        assert code == 0
+        code, decoded, _ = run(capsys, "decode", str(out))
+        assert code == 0
+        assert set(json.loads(decoded)["message"]) == keys
+
+
+def test_encode_refuses_a_cancel_under_legacy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "c.json"
+    src.write_text(
+        json.dumps(
+            {
+                "pdwire_version": 2,
+                "remote_hostname": "h",
+                "remote_port": 1,
+                "remote_tp_size": 1,
+                "remote_tp_rank": 0,
+                "cancel_reqs": {"r": "t"},
+            }
+        )
+    )
+    code, _, err = run(
+        capsys, "encode", "--kind", "cancel", "--profile", "legacy", "--hex", str(src)
+    )
+    assert code == 1
+    assert "§8.4" in err
+
+
+def test_schema_and_vectors_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "schema", "--out", str(tmp_path / "s"))
+    assert code == 0 and len(list((tmp_path / "s").glob("*.json"))) == 12
+    code, _, _ = run(capsys, "vectors", "write", "--dir", str(tmp_path / "v"))
+    assert code == 0
+    code, out, _ = run(capsys, "vectors", "check", "--dir", str(tmp_path / "v"))
+    assert code == 0 and out.strip().endswith("0 failed")
+    (tmp_path / "v" / "pull-legacy-seed.msgpack").write_bytes(b"\xc1")
+    code, out, _ = run(capsys, "vectors", "check", "--dir", str(tmp_path / "v"))
+    assert code == 1 and "FAIL pull-legacy-seed" in out
+
+
+def test_spec_tables_detects_and_fixes_drift(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "x.md").write_text("<!-- fields:XferCancel -->\nstale\n<!-- /fields -->\n")
+    code, out, _ = run(capsys, "spec-tables", "--dir", str(tmp_path))
+    assert code == 1 and "out of date" in out
+    code, _, _ = run(capsys, "spec-tables", "--dir", str(tmp_path), "--write")
+    assert code == 0
+    code, _, _ = run(capsys, "spec-tables", "--dir", str(tmp_path))
+    assert code == 0
+
+
+def test_missing_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "decode", "/nonexistent/file")
+    assert code == 2 and "No such file" in err
