@@ -138,14 +138,17 @@ def decode_pull(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> XferMetadataV2:
     """Decode a pull of any profile or older variant (§3.8) into the current model."""
-    _check_size(data, max_size, "pull")
+    if type(data) is not bytes or len(data) > max_size:
+        _check_size(data, max_size, "pull")
     try:
         msg = _pull_decoder.decode(data)
     except msgspec.ValidationError as exc:
         msg = _decode_older_pull(data, exc)
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _malformed(exc, "pull") from None
-    _raise_decode(_check_pull(msg), "pull")
+    problem = _check_pull(msg)
+    if problem is not None:
+        _raise_decode(problem, "pull")
     return msg
 
 
@@ -199,7 +202,8 @@ def decode_message(
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: Any, max_size: int, kind: str) -> T:
-    _check_size(data, max_size, kind)
+    if type(data) is not bytes or len(data) > max_size:
+        _check_size(data, max_size, kind)
     try:
         return decoder.decode(data)
     except msgspec.ValidationError as exc:
