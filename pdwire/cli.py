@@ -135,6 +135,43 @@ def cmd_spec_tables(args: argparse.Namespace) -> int:
     return EXIT_INVALID if stale and not args.write else EXIT_OK
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .sim import SimParams, simulate  # numpy and the sessions load only for this command
+
+    params = SimParams(
+        prefill_instances=args.prefill_instances,
+        decode_instances=args.decode_instances,
+        prefill_tp=args.prefill_tp,
+        decode_tp=args.decode_tp,
+        prefill_pp=args.prefill_pp,
+        decode_pp=args.decode_pp,
+        requests=args.requests,
+        fault_rate=args.fault_rate,
+        seed=args.seed,
+        profile=args.profile,
+        arrival_rate=args.arrival_rate,
+        prompt_tokens=args.prompt_tokens,
+        deadline=args.deadline,
+    )
+    step = max(1, args.requests // 20)
+    tty = sys.stderr.isatty()
+
+    def progress(n: int) -> None:
+        if n % step == 0 or n == args.requests - 1:
+            end = "\r" if tty and n < args.requests - 1 else "\n"
+            print(f"simulating: {n + 1}/{args.requests} requests arrived", end=end, file=sys.stderr)
+
+    report = simulate(params, progress=None if args.quiet else progress).as_dict()
+    width = max(map(len, report))
+    for key, value in report.items():
+        if key != "params":
+            shown = f"{value:.4g}" if isinstance(value, float) else value
+            print(f"{key:<{width}}  {shown}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return EXIT_OK
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdwire",
@@ -196,6 +233,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="spec", metavar="DIR")
     p.add_argument("--write", action="store_true", help="rewrite stale tables in place")
     p.set_defaults(func=cmd_spec_tables)
+
+    p = sub.add_parser(
+        "simulate",
+        help="run real P and D sessions in a simulated cluster, in virtual time",
+        description="Drive many producer and consumer sessions through a modelled network, "
+        "transfer engine and prefill, deterministically, with injected faults (lost message, a "
+        "D stage that never pulls, P abort, stop token first, duplicate transfer_id, slow P). "
+        "Reports early frees, leaked blocks and requests not terminal by their deadline.",
+    )
+    for flag, default, what in (
+        ("--prefill-instances", 1, "P engines"),
+        ("--decode-instances", 1, "D engines"),
+        ("--prefill-tp", 1, "TP size of each P engine"),
+        ("--decode-tp", 1, "TP size of each D engine"),
+        ("--prefill-pp", 1, "PP size of each P engine"),
+        ("--decode-pp", 1, "PP size of each D engine"),
+        ("--requests", 1000, "requests to run"),
+        ("--seed", 0, "random seed: the same seed gives the same run"),
+        ("--prompt-tokens", 1000, "prompt length"),
+    ):
+        p.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
+    p.add_argument("--fault-rate", type=float, default=0.0, help="share of requests with a fault")
+    p.add_argument("--profile", choices=sorted(WIRE_VERSION), default="pdwire/2")
+    p.add_argument("--arrival-rate", type=float, default=200.0, help="requests per second")
+    p.add_argument("--deadline", type=float, default=60.0, help="D's load deadline, seconds")
+    p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=cmd_simulate)
     return parser
 
 

@@ -18,6 +18,7 @@ from .http_models import EngineEntry
 from .messages import Fingerprint, XferMetadata, XferResponse
 from .negotiation import NEGOTIATION_TABLE
 from .schema import HTTP_DOCUMENTS, MSGPACK_MESSAGES
+from .transitions import LOAD_TRANSITIONS, TRANSFER_TRANSITIONS
 
 SENDERS: Final = {
     "XferMetadata": "D worker",
@@ -45,6 +46,9 @@ _EXTENDS: Final[dict[str, type[msgspec.Struct]]] = {
 _QUERY_KEY: Final = "One entry per P data-parallel rank; the JSON key is the rank in decimal."
 
 _FIELDS: Final = re.compile(r"(<!-- fields:(\w+) -->\n)(.*?)(<!-- /fields -->)", re.DOTALL)
+_TRANSITIONS: Final = re.compile(
+    r"(<!-- transitions:(\w+) -->\n)(.*?)(<!-- /transitions -->)", re.DOTALL
+)
 _NEGOTIATION: Final = re.compile(
     r"(<!-- negotiation-table -->\n)(.*?)(<!-- /negotiation-table -->)", re.DOTALL
 )
@@ -160,7 +164,20 @@ def negotiation_table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def transition_table(machine: str) -> str:
+    """The transition table of ``machine`` ("transfer" on P, "load" on D) in Markdown."""
+    table: dict[tuple[Any, Any], Any] = (
+        dict(TRANSFER_TRANSITIONS) if machine == "transfer" else dict(LOAD_TRANSITIONS)
+    )
+    lines = ["| state | event | next state |", "|---|---|---|"]
+    for (state, event), nxt in table.items():
+        before = "(none)" if state is None else state.value
+        lines.append(f"| {before} | {event.value} | {nxt.value} |")
+    return "\n".join(lines) + "\n"
+
+
 def fill(text: str) -> str:
     """``text`` with every generated table between its markers brought up to date."""
     text = _FIELDS.sub(lambda m: m[1] + field_table(m[2]) + m[4], text)
+    text = _TRANSITIONS.sub(lambda m: m[1] + transition_table(m[2]) + m[4], text)
     return _NEGOTIATION.sub(lambda m: m[1] + negotiation_table() + m[3], text)

@@ -1,0 +1,500 @@
+"""The consumer (D worker) side of the protocol as a sans-IO session (spec §3, §4.2, §10).
+
+D asks to load requests; the session says which bootstrap to query, which pulls to send where,
+and when each request is loaded or failed. It owns no socket, thread or clock: every input comes
+with ``now``, and ``next_deadline()`` says when to call ``handle(TimePassed(), now)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+from . import auth, sections
+from .codec import decode_response, encode_cancel, encode_pull
+from .errors import DecodeError, LocalProtocolError, RemoteProtocolError
+from .events import (
+    AbortRequested,
+    BlocksReleased,
+    ClosePull,
+    ConsumerInput,
+    ConsumerOutput,
+    EngineResolved,
+    LoadRequest,
+    LoadsRequested,
+    QueryBootstrap,
+    ReplyReceived,
+    RequestFailed,
+    RequestLoaded,
+    SendPull,
+    TimePassed,
+)
+from .http_models import EngineEntry
+from .messages import ErrorCode, Fingerprint, XferCancel, XferMetadata, XferMetadataV2
+from .messages import XferResponseStatus as Status
+from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
+from .planning import Side, target_ranks
+from .transitions import LOAD_TRANSITIONS, LoadEvent, LoadState
+from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
+
+L, LE = LoadState, LoadEvent
+
+#: (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60) s, vLLM's receive timeout on a pull (§6).
+RECEIVE_TIMEOUT: Final = 540.0
+#: pdwire/2: how long D waits for a request's KV before it gives up (§6).
+LOAD_DEADLINE: Final = 60.0
+
+UNREPORTED: Final = "peer finished without reporting a transfer result"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumerConfig:
+    hostname: str  # where P writes: this worker's transfer-engine host
+    port: int  # ... and RPC port
+    side: Side  # this worker's TP/PP position and registered regions
+    pp_rank: int = 0
+    profile: Profile = PDWIRE_2
+    caps: frozenset[str] = ALL_CAPS
+    fingerprint: Fingerprint | None = None
+    layout_id: int = 0  # nonzero: omit the layout once a P worker echoed it (§3.7)
+    receive_timeout: float = RECEIVE_TIMEOUT
+    deadline: float = LOAD_DEADLINE
+    auth_key: bytes | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Load:
+    req: LoadRequest
+    state: LoadState | None = None
+    outstanding: int = 0  # pulls that have not settled this request
+    failure: tuple[ErrorCode, str] | None = None
+    deadline: float = float("inf")
+    reported: bool = False  # RequestFailed already emitted (deadline, abort)
+
+
+@dataclasses.dataclass(slots=True)
+class _Pull:
+    pull_id: int
+    addr: str
+    engine_id: str
+    reqs: dict[str, str]  # d_req_id -> transfer_id, not settled by this pull yet
+    with_layout: bool
+    announced: bool
+    agreement: Agreement
+    receive_until: float
+    cancel: bool = False
+
+
+class ConsumerSession:
+    """One D worker's protocol state: the engines it knows, its pulls, its loading requests."""
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.config = config
+        self._offer = Offer.of(config.profile, config.caps)
+        self._engines: dict[str, EngineEntry] = {}
+        self._waiting: dict[str, list[LoadRequest]] = defaultdict(list)
+        self._loads: dict[str, _Load] = {}
+        self._pulls: dict[int, _Pull] = {}
+        self._peers: dict[str, Offer] = {}  # what each P worker showed of its version
+        self._acked: set[str] = set()  # P workers that echoed our layout_id
+        self._timers: list[tuple[float, int, str, Any]] = []
+        self._ids = itertools.count(1)
+        self._out: list[ConsumerOutput] = []
+        self._layout = self._layout_fields()
+        self._handlers: dict[type, Callable[[Any, float], None]] = {
+            LoadsRequested: self._on_loads,
+            EngineResolved: self._on_engine,
+            ReplyReceived: self._on_reply,
+            AbortRequested: self._on_abort,
+            TimePassed: lambda ev, now: None,
+        }
+
+    # -- public ------------------------------------------------------------------------------
+
+    def handle(self, event: ConsumerInput, now: float) -> list[ConsumerOutput]:
+        """Apply ``event`` at time ``now``; return what to do, in order."""
+        self._handlers[type(event)](event, now)
+        self._fire_timers(now)
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        while self._timers and not self._timer_live(self._timers[0]):
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def state_of(self, d_req_id: str) -> LoadState | None:
+        load = self._loads.get(d_req_id)
+        return None if load is None else load.state
+
+    @property
+    def open_pulls(self) -> int:
+        return len(self._pulls)
+
+    @property
+    def loading(self) -> int:
+        return len(self._loads)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def _move(self, load: _Load, event: LoadEvent) -> None:
+        nxt = LOAD_TRANSITIONS.get((load.state, event))
+        if nxt is None:
+            raise LocalProtocolError(
+                f"request {load.req.d_req_id}: no transition from {load.state} on {event.value}",
+                section=sections.BEHAVIOUR,
+            )
+        load.state = nxt
+
+    def _on_loads(self, ev: LoadsRequested, now: float) -> None:
+        by_engine: dict[str, list[LoadRequest]] = defaultdict(list)
+        for req in ev.requests:
+            if req.d_req_id in self._loads:
+                raise LocalProtocolError(
+                    f"request {req.d_req_id} is already loading", section=sections.BEHAVIOUR
+                )
+            load = self._loads[req.d_req_id] = _Load(req)
+            if self.config.profile == PDWIRE_2:
+                load.deadline = now + self.config.deadline
+                self._push(load.deadline, "deadline", req.d_req_id)
+            by_engine[req.engine_id].append(req)
+        for engine_id, reqs in by_engine.items():
+            if engine_id in self._engines:
+                self._start_pulls(engine_id, reqs, now)
+                continue
+            for req in reqs:
+                self._move(self._loads[req.d_req_id], LE.ENGINE_UNKNOWN)
+            if engine_id not in self._waiting:
+                self._out.append(QueryBootstrap(engine_id, reqs[0].bootstrap_addr))
+            self._waiting[engine_id].extend(reqs)
+
+    def _on_engine(self, ev: EngineResolved, now: float) -> None:
+        reqs = self._waiting.pop(ev.engine_id, [])
+        problem = ev.error or self._entry_problem(ev.engine_id, ev.entry)
+        if problem or ev.entry is None:
+            for req in reqs:
+                load = self._loads.get(req.d_req_id)
+                if load is not None:
+                    self._finish(load, (ErrorCode.INTERNAL, problem or "no entry"))
+            return
+        self._engines[ev.engine_id] = ev.entry
+        live = [r for r in reqs if r.d_req_id in self._loads]
+        if live:
+            self._start_pulls(ev.engine_id, live, now)
+
+    def _entry_problem(self, engine_id: str, entry: EngineEntry | None) -> str:
+        if entry is None or entry.engine_id != engine_id:
+            return f"remote engine_id {engine_id} not found from bootstrap server"
+        tp = entry.tp_size or len(entry.worker_addr)
+        if entry.tp_size is not None and len(entry.worker_addr) < entry.tp_size:
+            return f"remote engine_id {engine_id} has {len(entry.worker_addr)} of {tp} TP ranks"
+        try:
+            target_ranks(self.config.side.tp_size, self.config.side.tp_rank, tp)
+        except ValueError:
+            return f"TP sizes {self.config.side.tp_size} and {tp} do not divide each other"
+        return ""
+
+    def _targets(self, entry: EngineEntry) -> list[str]:
+        """The P workers this D worker pulls from (§10.1, §10.2)."""
+        side = self.config.side
+        tp = entry.tp_size or len(entry.worker_addr)
+        addrs: list[str] = []
+        for p_rank in target_ranks(side.tp_size, side.tp_rank, tp):
+            by_pp = entry.worker_addr[p_rank]
+            if side.pp_size == len(by_pp) and self.config.pp_rank in by_pp:
+                addrs.append(by_pp[self.config.pp_rank])
+            else:
+                addrs.extend(by_pp[pp] for pp in sorted(by_pp))
+        return addrs
+
+    def _start_pulls(self, engine_id: str, reqs: list[LoadRequest], now: float) -> None:
+        entry = self._engines[engine_id]
+        addrs = self._targets(entry)
+        for req in reqs:
+            load = self._loads[req.d_req_id]
+            self._move(load, LE.ENGINE_KNOWN)
+            load.outstanding = len(addrs)
+        version_offer = (
+            Offer(entry.pdwire_version, frozenset(entry.pdwire_caps or ()))
+            if entry.pdwire_version
+            else LEGACY_PEER
+        )
+        for addr in addrs:
+            peer = self._peers.get(addr, version_offer)
+            batch = {r.d_req_id: r.transfer_id for r in reqs}
+            self._send_pull(addr, engine_id, batch, negotiate("D", self._offer, peer), now)
+
+    # -- pulls -------------------------------------------------------------------------------
+
+    def _layout_fields(self) -> dict[str, Any]:
+        regions = self.config.side.regions
+        return {
+            "kv_caches_base_addr": [r.base_addr for r in regions],
+            "block_lens": [r.block_len for r in regions],
+            "kv_block_lens": [r.kv_block_len for r in regions],
+            "registered_layer_names": [r.layer_name for r in regions],
+            "registered_layer_indices": [r.layer_index for r in regions],
+            "registered_group_indices": [r.group_index for r in regions],
+            "registered_shared_group_ids": [list(r.shared_group_ids) for r in regions],
+            "registered_row_offsets": [r.row_offset for r in regions],
+        }
+
+    def _pull_message(
+        self, reqs: dict[str, str], with_layout: bool, agreement: Agreement, now: float
+    ) -> XferMetadata:
+        c = self.config
+        layout = self._layout if with_layout else {k: [] for k in self._layout}
+        base: dict[str, Any] = {
+            "remote_hostname": c.hostname,
+            "remote_port": c.port,
+            "remote_tp_size": c.side.tp_size,
+            "remote_tp_rank": c.side.tp_rank,
+            "req_blocks": {d: (t, self._loads[d].req.blocks) for d, t in reqs.items()},
+            **layout,
+            "remote_pp_size": c.side.pp_size,
+            "layout_id": c.layout_id,
+        }
+        if not agreement.announce:
+            return XferMetadata(**base)
+        deadlines = [self._loads[d].deadline for d in reqs]
+        remaining = max(deadlines) - now if deadlines else float("inf")
+        msg = XferMetadataV2(
+            **base,
+            pdwire_version=self._offer.version,
+            pdwire_caps=sorted(self._offer.caps),
+            fingerprint=c.fingerprint if with_layout else None,
+            deadline_ms=0 if remaining == float("inf") else max(1, int(remaining * 1000)),
+        )
+        if c.auth_key is not None:
+            msg = auth.sign(msg, c.auth_key)
+        return msg
+
+    def _send_pull(
+        self, addr: str, engine_id: str, reqs: dict[str, str], agreement: Agreement, now: float
+    ) -> None:
+        with_layout = not self.config.layout_id or addr not in self._acked
+        msg = self._pull_message(reqs, with_layout, agreement, now)
+        pull = _Pull(
+            pull_id=next(self._ids),
+            addr=addr,
+            engine_id=engine_id,
+            reqs=dict(reqs),
+            with_layout=with_layout,
+            announced=agreement.announce,
+            agreement=agreement,
+            receive_until=now + self.config.receive_timeout,
+        )
+        self._pulls[pull.pull_id] = pull
+        self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
+        self._out.append(SendPull(pull.pull_id, addr, msg, encode_pull(msg, agreement)))
+
+    def _on_reply(self, ev: ReplyReceived, now: float) -> None:
+        pull = self._pulls.get(ev.pull_id)
+        if pull is None:
+            return  # a late frame on a pull we closed
+        try:
+            reply = decode_response(ev.data)
+            if self.config.auth_key is not None and pull.agreement.allows(Capability.AUTH):
+                auth.verify(reply, self.config.auth_key)
+        except (DecodeError, RemoteProtocolError) as exc:
+            self._fail_pull(pull, ErrorCode.BAD_MESSAGE, f"transfer failed: {exc}")
+            return
+        self._learn_peer(pull, reply.pdwire_version, reply.pdwire_caps)
+        pull.receive_until = now + self.config.receive_timeout
+        self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
+        if pull.cancel:
+            self._on_cancel_reply(pull, reply.ok_reqs or [])
+            return
+        if reply.status is Status.LAYOUT_MISS:
+            self._acked.discard(pull.addr)
+            if pull.with_layout:
+                self._fail_pull(pull, ErrorCode.LAYOUT_MISS, reply.err_msg or "transfer error")
+            else:  # P lost our layout: resend the same pull with it (§3.7)
+                self._close(pull)
+                agreement = negotiate("D", self._offer, self._peers.get(pull.addr))
+                self._send_pull(pull.addr, pull.engine_id, pull.reqs, agreement, now)
+            return
+        if reply.status is Status.ERROR:
+            code = _code(reply.err_code)
+            self._fail_pull(pull, code, reply.err_msg or "transfer error")
+            return
+        if self.config.layout_id and reply.layout_id == self.config.layout_id:
+            self._acked.add(pull.addr)
+        codes = reply.err_codes or {}
+        for d_req in reply.err_reqs or ():
+            code = _code(codes.get(d_req, reply.err_code))
+            self._settle(pull, d_req, (code, reply.err_msg or "unknown error"))
+        for d_req in reply.ok_reqs or ():
+            self._settle(pull, d_req, None)
+        if reply.status is Status.FINISH:
+            self._fail_pull(pull, ErrorCode.INTERNAL, UNREPORTED)
+
+    def _learn_peer(self, pull: _Pull, version: int, caps: list[str]) -> None:
+        if version >= 2:
+            self._peers[pull.addr] = Offer(version, frozenset(caps))
+        elif pull.announced:  # we announced and P answered without a version: legacy
+            self._peers[pull.addr] = LEGACY_PEER
+
+    def _fail_pull(self, pull: _Pull, code: ErrorCode, reason: str) -> None:
+        for d_req in list(pull.reqs):
+            self._settle(pull, d_req, (code, reason))
+        self._close(pull)
+
+    def _close(self, pull: _Pull) -> None:
+        if self._pulls.pop(pull.pull_id, None) is not None:
+            self._out.append(ClosePull(pull.pull_id))
+
+    def _settle(self, pull: _Pull, d_req: str, failure: tuple[ErrorCode, str] | None) -> None:
+        """Pull ``pull`` is done with ``d_req`` (§10.10): ok when ``failure`` is None."""
+        if pull.reqs.pop(d_req, None) is None:
+            return  # not ours, or already settled by this pull
+        load = self._loads.get(d_req)
+        if load is None:
+            return
+        if failure is not None and load.failure is None:
+            load.failure = failure
+        load.outstanding -= 1
+        if load.outstanding > 0:
+            self._move(load, LE.PULL_SETTLED)
+            return
+        self._finish(load, load.failure)
+
+    def _finish(self, load: _Load, failure: tuple[ErrorCode, str] | None) -> None:
+        """Every pull settled: report the request once and forget it."""
+        d_req = load.req.d_req_id
+        self._move(load, LE.ALL_SETTLED_FAILED if failure else LE.ALL_LOADED)
+        del self._loads[d_req]
+        if not any(load.req.blocks):
+            return  # release-only: never reported (§10.10.9)
+        if load.reported:
+            self._out.append(BlocksReleased(d_req))
+        elif failure is not None:
+            self._out.append(RequestFailed(d_req, failure[0], failure[1]))
+        elif load.state is L.LOADED:
+            self._out.append(RequestLoaded(d_req))
+        else:
+            self._out.append(RequestFailed(d_req, ErrorCode.DEADLINE_EXCEEDED, "deadline"))
+
+    # -- giving up: deadline, abort, cancel (pdwire/2) ----------------------------------------
+
+    def _on_abort(self, ev: AbortRequested, now: float) -> None:
+        load = self._loads.get(ev.d_req_id)
+        if load is None:
+            return
+        if load.state is L.RESOLVING:
+            # Nothing sent yet: ask P only to release (an empty pull), as vLLM does.
+            load.req = dataclasses.replace(load.req, blocks=[])
+            return
+        self._give_up([load], ErrorCode.CANCELLED, "aborted", now)
+
+    def _give_up(self, loads: Iterable[_Load], code: ErrorCode, reason: str, now: float) -> None:
+        """Fail ``loads`` now; withdraw their pulls where P accepts cancels (§3.5)."""
+        by_addr: dict[str, dict[str, str]] = defaultdict(dict)
+        agreements: dict[str, Agreement] = {}
+        for load in loads:
+            if load.reported:
+                continue
+            load.reported = True
+            load.failure = load.failure or (code, reason)
+            if load.state is L.PULLING:
+                self._move(load, LE.DEADLINE)
+            if any(load.req.blocks):
+                self._out.append(RequestFailed(load.req.d_req_id, code, reason, blocks_free=False))
+            for pull in self._pulls.values():
+                withdrawable = not pull.cancel and pull.agreement.allows(Capability.CANCEL)
+                if withdrawable and load.req.d_req_id in pull.reqs:
+                    by_addr[pull.addr][load.req.d_req_id] = load.req.transfer_id
+                    agreements[pull.addr] = pull.agreement
+        for addr, reqs in by_addr.items():
+            self._send_cancel(addr, reqs, agreements[addr], reason, now)
+
+    def _send_cancel(
+        self, addr: str, reqs: dict[str, str], agreement: Agreement, reason: str, now: float
+    ) -> None:
+        c = self.config
+        msg = XferCancel(
+            pdwire_version=self._offer.version,
+            remote_hostname=c.hostname,
+            remote_port=c.port,
+            remote_tp_size=c.side.tp_size,
+            remote_tp_rank=c.side.tp_rank,
+            cancel_reqs=reqs,
+            remote_pp_size=c.side.pp_size,
+            remote_pp_rank=c.pp_rank,
+            reason=reason,
+        )
+        if c.auth_key is not None:
+            msg = auth.sign(msg, c.auth_key)
+        pull = _Pull(
+            pull_id=next(self._ids),
+            addr=addr,
+            engine_id="",
+            reqs=dict(reqs),
+            with_layout=False,
+            announced=True,
+            agreement=agreement,
+            receive_until=now + c.receive_timeout,
+            cancel=True,
+        )
+        self._pulls[pull.pull_id] = pull
+        self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
+        self._out.append(SendPull(pull.pull_id, addr, msg, encode_cancel(msg, agreement)))
+
+    def _on_cancel_reply(self, cancel: _Pull, cancelled: list[str]) -> None:
+        """P stopped serving these requests for us: their withdrawn pulls are settled."""
+        for d_req in cancelled:
+            for pull in list(self._pulls.values()):
+                if not pull.cancel and pull.addr == cancel.addr and d_req in pull.reqs:
+                    self._settle(pull, d_req, (ErrorCode.CANCELLED, "cancelled"))
+                    if not pull.reqs:
+                        self._close(pull)
+        self._close(cancel)
+
+    # -- timers ------------------------------------------------------------------------------
+
+    def _push(self, when: float, kind: str, what: Any) -> None:
+        heapq.heappush(self._timers, (when, next(self._ids), kind, what))
+
+    def _timer_live(self, entry: tuple[float, int, str, Any]) -> bool:
+        _, _, kind, what = entry
+        if kind == "deadline":
+            load = self._loads.get(what)
+            return load is not None and not load.reported
+        pull = self._pulls.get(what[0])
+        return pull is not None and pull.receive_until == what[1]
+
+    def _fire_timers(self, now: float) -> None:
+        due: list[_Load] = []
+        while self._timers and self._timers[0][0] <= now:
+            entry = heapq.heappop(self._timers)
+            if not self._timer_live(entry):
+                continue
+            if entry[2] == "deadline":
+                load = self._loads[entry[3]]
+                if load.state is L.RESOLVING:
+                    self._drop_waiting(load)
+                    self._finish(load, (ErrorCode.DEADLINE_EXCEEDED, "deadline"))
+                else:
+                    due.append(load)
+            else:
+                pull = self._pulls[entry[3][0]]
+                self._fail_pull(pull, ErrorCode.DEADLINE_EXCEEDED, "transfer failed: timeout")
+        if due:
+            self._give_up(due, ErrorCode.DEADLINE_EXCEEDED, "deadline", now)
+
+    def _drop_waiting(self, load: _Load) -> None:
+        waiting = self._waiting.get(load.req.engine_id, [])
+        if load.req in waiting:
+            waiting.remove(load.req)
+
+
+def _code(value: str | None) -> ErrorCode:
+    """A received error code; unknown or absent codes read as INTERNAL (§7.2)."""
+    try:
+        return ErrorCode(value) if value else ErrorCode.INTERNAL
+    except ValueError:
+        return ErrorCode.INTERNAL

@@ -1,0 +1,56 @@
+"""KV geometry of a model split over TP and PP: each worker's registered regions (LBHNC)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+from ..planning import Region, Side
+
+#: Where the simulated address spaces start; each worker region gets its own span.
+_BASE: Final = 0x7F00_0000_0000
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    num_layers: int = 8
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    dtype_bytes: int = 2
+    num_blocks: int = 4096
+
+    def block_bytes(self, tp_size: int) -> int:
+        """Payload of one layer's K (or V) for one block on one TP rank."""
+        heads = max(1, self.num_kv_heads // tp_size)
+        return heads * self.head_dim * self.block_size * self.dtype_bytes
+
+    def stage_layers(self, pp_size: int, pp_rank: int) -> range:
+        per = -(-self.num_layers // pp_size)
+        return range(pp_rank * per, min(self.num_layers, (pp_rank + 1) * per))
+
+    def side(self, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, worker: int) -> Side:
+        """The regions of one worker: K and V of each layer of its PP stage."""
+        length = self.block_bytes(tp_size)
+        span = length * self.num_blocks
+        base = _BASE + worker * (2 * self.num_layers + 1) * span
+        regions = tuple(
+            Region(
+                layer_name=f"model.layers.{layer}.self_attn.attn",
+                layer_index=layer,
+                base_addr=base + (2 * layer + kv) * span,
+                block_len=length,
+                kv_block_len=length,
+                row_offset=0,
+            )
+            for layer in self.stage_layers(pp_size, pp_rank)
+            for kv in range(2)
+        )
+        return Side(
+            tp_size=tp_size,
+            tp_rank=tp_rank,
+            pp_size=pp_size,
+            regions=regions,
+            replicated=tp_size > self.num_kv_heads,
+            total_kv_heads=self.num_kv_heads,
+        )
