@@ -7,6 +7,7 @@ import json
 import string
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -21,6 +22,9 @@ from .schema import schemas
 from .vectors import ENCODERS, as_json
 from .versions import WIRE_VERSION
 
+#: Other packages of the distribution add subcommands here (``pdwire bootstrap``, ...) without
+#: pdwire importing them: each entry point names a module with ``add_parser(subparsers)``.
+COMMANDS_GROUP = "pdwire.commands"
 _KINDS = {"pull": XferMetadataV2, "response": XferResponseV2, "cancel": XferCancel}
 _HEX = frozenset(string.hexdigits + string.whitespace)
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
@@ -261,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_simulate)
+    for command in entry_points(group=COMMANDS_GROUP):
+        command.load().add_parser(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ from typing import Final
 
 from . import auth, sections
 from . import error_strings as msgs
-from .codec import decode_cancel, decode_pull, detect_kind, encode_response
+from .codec import decode_cancel, decode_pull, encode_response
 from .errors import DecodeError, LocalProtocolError, RemoteProtocolError
 from .events import (
     FreeBlocks,
@@ -55,6 +55,7 @@ S, E = TransferState, TransferEvent
 #: vLLM's default of VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, seconds (§6).
 ABORT_REQUEST_TIMEOUT: Final = 480.0
 MAX_PEER_LAYOUTS: Final = 1024
+_CANCEL_KEY: Final = b"\xabcancel_reqs"  # the key as msgpack writes it: fixstr of 11 bytes
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 
@@ -288,15 +289,22 @@ class ProducerSession:
     # -- messages ----------------------------------------------------------------------------
 
     def _on_message(self, ev: MessageReceived, now: float) -> None:
+        """A pull, or a cancel: a map with the key cancel_reqs (3.1-R7). Pulls are the common
+        case, so they are decoded first and the key is looked for only when that fails."""
+        limit = self.config.max_message_bytes
         try:
-            kind = detect_kind(ev.data, max_size=self.config.max_message_bytes)
-            if kind == "cancel":
-                cancel = decode_cancel(ev.data, max_size=self.config.max_message_bytes)
-                self._on_cancel(ev, cancel, now)
-                return
-            pull = decode_pull(ev.data, max_size=self.config.max_message_bytes)
+            pull = decode_pull(ev.data, max_size=limit)
         except DecodeError as exc:
-            self._reply_error(ev.identity, None, ErrorCode.BAD_MESSAGE, str(exc))
+            error = exc
+            if _CANCEL_KEY in ev.data:
+                try:
+                    cancel = decode_cancel(ev.data, max_size=limit)
+                except DecodeError as cancel_error:
+                    error = cancel_error
+                else:
+                    self._on_cancel(ev, cancel, now)
+                    return
+            self._reply_error(ev.identity, None, ErrorCode.BAD_MESSAGE, str(error))
             return
         self._on_pull(ev.identity, pull, now)
 

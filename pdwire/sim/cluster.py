@@ -12,6 +12,7 @@ from typing import Any, Final
 
 from ..consumer import ConsumerConfig, ConsumerSession
 from ..events import (
+    AbortRequested,
     BlocksReleased,
     ClosePull,
     ConsumerOutput,
@@ -150,7 +151,11 @@ class Cluster:
         for w in self.d_workers:
             self._d_of.setdefault(w.instance, []).append(w)
         self._d_by_peer = {f"d{w.index}:{w.index + 1}": w for w in self.d_workers}
-        self._served: dict[tuple[int, str], set[int]] = {}  # (P worker, request) -> D workers
+        # (P worker, P request) -> D workers whose pulls it served or that withdrew them
+        self._served: dict[tuple[int, str], set[int]] = {}
+        # (P worker, transfer_id) -> the P request whose blocks back it: a duplicate transfer_id
+        # is served from the blocks of the request that holds it (10.11.9)
+        self._owner: dict[tuple[int, str], str] = {}
         self._expected = self._expected_pulls()
 
     # -- construction ------------------------------------------------------------------------
@@ -291,6 +296,7 @@ class Cluster:
                 self._feed(w, TransferWillNotSend(req.transfer_id, p_req, req.fault))
             elif p_req not in self._rejected_p:
                 w.held[p_req] = len(req.blocks[0])
+                self._owner[(w.index, req.transfer_id)] = p_req
                 self._feed(w, TransferFinished(req.transfer_id, p_req, req.blocks))
 
     # -- producer outputs --------------------------------------------------------------------
@@ -303,7 +309,7 @@ class Cluster:
                 d_index, pull_id = map(int, o.identity.decode().split("/"))
                 d = self.d_workers[d_index]
                 for d_req in o.reply.ok_reqs or ():
-                    self._served.setdefault((w.index, d_req), set()).add(d.index)
+                    self._served.setdefault((w.index, self._p_req_of(w, d_req)), set()).add(d.index)
                 if self._lose(o.reply.ok_reqs, o.reply.err_reqs):
                     continue
                 self.at(self.now + lat, self._feed, d, ReplyReceived(pull_id, o.data))
@@ -315,6 +321,7 @@ class Cluster:
             elif isinstance(o, RejectRequest):
                 self.counters.rejected += 1
                 self._rejected_p.add(o.p_req_id)
+                self._abort_decode(self._by_p_req[o.p_req_id])
 
     def _lose(self, *lists: list[str] | None) -> bool:
         for reqs in lists:
@@ -324,6 +331,15 @@ class Cluster:
                     return True
         return False
 
+    def _p_req_of(self, w: Worker, d_req: str) -> str:
+        req = self._by_d_req[d_req]
+        return self._owner.get((w.index, req.transfer_id), f"p-{req.n}")
+
+    def _abort_decode(self, req: Request) -> None:
+        """The proxy fails a request whose P leg was refused, and aborts its D leg (10.11.8)."""
+        for d in self._d_of[req.d_inst]:
+            self.at(self.now + self.p.net_latency, self._feed, d, AbortRequested(f"d-{req.n}"))
+
     def _start_write(self, w: Worker, o: StartWrite) -> None:
         c = self.counters
         c.writes += 1
@@ -331,7 +347,7 @@ class Cluster:
         nbytes = o.descriptors.total_bytes
         c.bytes_written += nbytes
         for d_req in o.d_req_ids:
-            if f"p-{self._by_d_req[d_req].n}" not in w.held:
+            if self._p_req_of(w, d_req) not in w.held:
                 c.early_frees += 1  # a write from blocks P already freed
         d = self._d_by_peer[o.peer]
         done = self.now + self.p.net_latency + nbytes / self.p.bandwidth
@@ -346,11 +362,9 @@ class Cluster:
     def _p_free(self, w: Worker, o: FreeBlocks) -> None:
         if w.held.pop(o.p_req_id, None) is None:
             return
-        if o.reason is FreeReason.SERVED:
-            d_req = f"d-{o.p_req_id[2:]}"
-            settled = self._served.pop((w.index, d_req), set())
-            if len(settled) < self._expected:
-                self.counters.early_frees += 1
+        settled = self._served.pop((w.index, o.p_req_id), set())
+        if o.reason is FreeReason.SERVED and len(settled) < self._expected:
+            self.counters.early_frees += 1
 
     # -- consumer outputs --------------------------------------------------------------------
 

@@ -1,0 +1,363 @@
+"""The bootstrap server (spec §4): P workers register their side-channel address, D workers and the
+proxy read every engine's entry.
+
+Run in-process with ``BootstrapServer`` (uvicorn in a daemon thread), or from the command line
+with ``pdwire bootstrap``. ``server_version=1`` emulates vLLM's server: pdwire/2 fields of a
+registration are dropped, replies carry no ``pdwire_version`` and there is no ``/health``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from pdwire import error_strings as es
+from pdwire import sections
+from pdwire.errors import DecodeError
+from pdwire.http_models import (
+    EngineEntry,
+    QueryResponse,
+    RegisterError,
+    RegisterReply,
+    RegisterWorkerPayload,
+    decode_json,
+)
+from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
+
+logger = logging.getLogger(__name__)
+
+#: 401 detail of a registration without a valid tag (4.1-R16).
+AUTH_FAILED_DETAIL: Final = f"AUTH_FAILED: {es.AUTH_FAILED}"
+#: 400 detail when a registration's engine-wide pdwire/2 fields differ from those held (4.1-R14).
+ENGINE_FIELDS_MISMATCH: Final = (
+    "pdwire/2 fields of dp_rank={dp_rank} differ from those already registered: {fields}"
+)
+#: pdwire/2 fields that describe the whole engine; all of its workers must agree (4.1-R12).
+ENGINE_FIELDS: Final = ("tp_size", "pp_size", "fingerprint")
+LEGACY_VERSION: Final = WIRE_VERSION["legacy"]
+
+
+def canonical_json(payload: dict[str, Any]) -> bytes:
+    """The canonical JSON of a registration body (8.6-R11)."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii")
+
+
+def register_tag(payload_without_tag: dict[str, Any], key: bytes) -> str:
+    """Lower-case hex HMAC-SHA256 of a registration body without ``auth_tag`` (8.6-R10)."""
+    return hmac.new(key, canonical_json(payload_without_tag), hashlib.sha256).hexdigest()
+
+
+def tag_is_valid(body: dict[str, Any], key: bytes) -> bool:
+    """Whether ``body`` carries a valid ``auth_tag`` for ``key`` (8.6-R12)."""
+    sent = body.get("auth_tag")
+    if not isinstance(sent, str):
+        return False
+    rest = {k: v for k, v in body.items() if k != "auth_tag"}
+    return hmac.compare_digest(sent.encode(), register_tag(rest, key).encode())
+
+
+# -- the registry ---------------------------------------------------------------------------
+
+
+class RegistrationRejected(Exception):
+    """A registration the server answers with an HTTP error."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+@dataclass
+class _Worker:
+    addr: str
+    version: int | None
+    caps: list[str] | None
+
+
+@dataclass
+class _Engine:
+    engine_id: str
+    workers: dict[int, dict[int, _Worker]] = field(default_factory=dict)
+    # tp_size, pp_size, fingerprint as the first worker that sent each gave it
+    shared: dict[str, Any] = field(default_factory=dict)
+
+    def entry(self) -> EngineEntry:
+        addrs = {
+            tp: {pp: w.addr for pp, w in sorted(by_pp.items())}
+            for tp, by_pp in sorted(self.workers.items())
+        }
+        return EngineEntry(engine_id=self.engine_id, worker_addr=addrs, **self._announcement())
+
+    def _announcement(self) -> dict[str, Any]:
+        """pdwire/2 fields of the entry: only when every registered worker announced a version,
+        so one legacy worker makes D speak legacy to the whole engine."""
+        workers = [w for by_pp in self.workers.values() for w in by_pp.values()]
+        if not workers or any(w.version is None for w in workers):
+            return {}
+        out: dict[str, Any] = {
+            "pdwire_version": min(w.version for w in workers if w.version is not None),
+            **self.shared,
+        }
+        if any(w.caps is not None for w in workers):
+            first = workers[0].caps or []
+            out["pdwire_caps"] = [c for c in first if all(c in (w.caps or []) for w in workers)]
+        return out
+
+
+class Registry:
+    """Every registered engine, by ``dp_rank``. Not locked: the app mutates it only from the
+    event loop, without awaiting between the checks and the update."""
+
+    def __init__(self, *, keep_pdwire_fields: bool = True) -> None:
+        self.engines: dict[int, _Engine] = {}
+        self.keep_pdwire_fields = keep_pdwire_fields
+
+    def register(self, p: RegisterWorkerPayload) -> None:
+        """Store one worker (4.1-R4) or raise ``RegistrationRejected`` (4.1-R5, R6, R14)."""
+        engine = self.engines.setdefault(p.dp_rank, _Engine(p.engine_id))
+        if engine.engine_id != p.engine_id:
+            raise RegistrationRejected(
+                400,
+                es.ENGINE_ID_MISMATCH.format(
+                    dp_rank=p.dp_rank, registered_engine_id=engine.engine_id, engine_id=p.engine_id
+                ),
+            )
+        shared = self._shared_fields(p)
+        self._check_shared(engine, p.dp_rank, shared)
+        by_pp = engine.workers.setdefault(p.tp_rank, {})
+        held = by_pp.get(p.pp_rank)
+        if held is not None and held.addr != p.addr:
+            raise RegistrationRejected(
+                400,
+                es.WORKER_ALREADY_REGISTERED.format(
+                    dp_rank=p.dp_rank,
+                    tp_rank=p.tp_rank,
+                    pp_rank=p.pp_rank,
+                    registered_addr=held.addr,
+                    addr=p.addr,
+                ),
+            )
+        if held is None:  # an identical re-registration changes nothing (4.1-R7)
+            by_pp[p.pp_rank] = self._worker(p)
+            engine.shared = {**shared, **engine.shared}
+
+    def _worker(self, p: RegisterWorkerPayload) -> _Worker:
+        if not self.keep_pdwire_fields:
+            return _Worker(p.addr, None, None)
+        return _Worker(p.addr, p.pdwire_version, p.pdwire_caps)
+
+    def _shared_fields(self, p: RegisterWorkerPayload) -> dict[str, Any]:
+        if not self.keep_pdwire_fields:
+            return {}
+        return {name: getattr(p, name) for name in ENGINE_FIELDS if getattr(p, name) is not None}
+
+    @staticmethod
+    def _check_shared(engine: _Engine, dp_rank: int, shared: dict[str, Any]) -> None:
+        differing = [k for k, v in shared.items() if k in engine.shared and engine.shared[k] != v]
+        if differing:
+            raise RegistrationRejected(
+                400, ENGINE_FIELDS_MISMATCH.format(dp_rank=dp_rank, fields=", ".join(differing))
+            )
+
+    def query(self) -> QueryResponse:
+        return QueryResponse({dp: e.entry() for dp, e in sorted(self.engines.items())})
+
+
+# -- the app ----------------------------------------------------------------------------------
+
+
+def _error(status: int, detail: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content=RegisterError(detail=detail).dump())
+
+
+def _parse_body(raw: bytes, auth_key: bytes | None) -> RegisterWorkerPayload:
+    """Decode, authenticate, then validate a registration body."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise RegistrationRejected(422, _decode_error(f"invalid JSON: {exc}")) from None
+    if not isinstance(body, dict):
+        raise RegistrationRejected(422, _decode_error("the body must be a JSON object"))
+    if auth_key is not None and not tag_is_valid(body, auth_key):
+        raise RegistrationRejected(401, AUTH_FAILED_DETAIL)
+    try:
+        return decode_json(RegisterWorkerPayload, body)
+    except DecodeError as exc:
+        raise RegistrationRejected(422, str(exc)) from None
+
+
+def _decode_error(message: str) -> str:
+    return str(DecodeError(message, section=sections.REGISTER, kind="RegisterWorkerPayload"))
+
+
+def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_VERSION) -> FastAPI:
+    """The bootstrap app; its registry is ``app.state.registry``.
+
+    ``POST /register`` answers 200 ``RegisterReply``; 400 ``{"detail": ...}`` for the two
+    conflicts of §4.1 (and for differing engine-wide pdwire/2 fields, 4.1-R14); 401 with a key
+    and no valid ``auth_tag``; 422 for a body that is not a valid ``RegisterWorkerPayload``, as
+    FastAPI would, but with ``detail`` the ``DecodeError`` text (path and spec section) rather
+    than FastAPI's list of errors. Auth is checked before the schema, so an unauthenticated
+    client learns nothing about it.
+    """
+    if server_version not in WIRE_VERSION.values():
+        raise ValueError(f"unknown wire version {server_version}")
+    legacy = server_version == LEGACY_VERSION
+    if legacy and auth_key is not None:
+        raise ValueError("a legacy bootstrap server cannot authenticate registrations")
+    app = FastAPI(title="pdwire bootstrap server", docs_url=None, redoc_url=None)
+    app.state.registry = Registry(keep_pdwire_fields=not legacy)
+
+    @app.post("/register", response_model=None)
+    async def register(request: Request) -> dict[str, Any] | JSONResponse:
+        raw = await request.body()
+        try:
+            payload = _parse_body(raw, auth_key)
+            app.state.registry.register(payload)
+        except RegistrationRejected as exc:
+            logger.warning("rejected registration (HTTP %d): %s", exc.status, exc.detail)
+            return _error(exc.status, exc.detail)
+        announced = payload.pdwire_version is not None and not legacy
+        return RegisterReply(pdwire_version=server_version if announced else None).dump()
+
+    @app.get("/query")
+    async def query() -> dict[str, Any]:
+        registry: Registry = app.state.registry
+        return registry.query().dump()
+
+    if not legacy:
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+    return app
+
+
+# -- the server thread ----------------------------------------------------------------------
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _client_host(host: str) -> str:
+    """The host a local client dials for a server bound to ``host``."""
+    if host in ("", "0.0.0.0"):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    with contextlib.suppress(ValueError):
+        if ipaddress.ip_address(host).version == 6:
+            return f"[{host}]"
+    return host
+
+
+class BootstrapServer:
+    """``create_app`` served by uvicorn in a daemon thread."""
+
+    def __init__(
+        self,
+        *,
+        auth_key: bytes | None = None,
+        server_version: int = CURRENT_VERSION,
+        app: FastAPI | None = None,
+    ) -> None:
+        self.app = app or create_app(auth_key=auth_key, server_version=server_version)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+        self._host = "127.0.0.1"
+        self._port = 0
+
+    def start(
+        self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0
+    ) -> BootstrapServer:
+        """Bind here (bind errors raise here), then serve from a thread; wait until it serves."""
+        if self._thread is not None:
+            raise RuntimeError("bootstrap server already started")
+        self._sock = _bind(host, port)
+        self._host, self._port = host, int(self._sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off", log_config=None
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="pdwire_bootstrap_server",
+            daemon=True,
+        )
+        self._thread.start()
+        self._wait_started(timeout)
+        logger.info("bootstrap server listening at %s", self.url)
+        return self
+
+    def _wait_started(self, timeout: float) -> None:
+        assert self._server is not None and self._thread is not None
+        deadline = time.monotonic() + timeout
+        # uvicorn sets a plain flag, no event: poll it, watching the thread too.
+        while not self._server.started:
+            if not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError("bootstrap server exited during startup")
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise TimeoutError(f"bootstrap server did not start in time ({timeout}s)")
+            self._thread.join(0.01)
+
+    @property
+    def port(self) -> int:
+        """The bound port (0 before ``start``)."""
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{_client_host(self._host)}:{self.port}"
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask uvicorn to exit and wait for its thread at most ``timeout`` seconds."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("bootstrap server thread still running after %ss", timeout)
+        if self._sock is not None:
+            self._sock.close()
+        self._server, self._thread, self._sock = None, None, None
+
+    def __enter__(self) -> BootstrapServer:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

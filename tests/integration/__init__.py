@@ -1,0 +1,1 @@
+"""Integration tests: the reference connector's transport and bootstrap on loopback."""
