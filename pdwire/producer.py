@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Final
 
+import msgspec
+
 from . import auth, sections
 from . import error_strings as msgs
 from .codec import decode_cancel, decode_pull, encode_response
@@ -259,10 +261,11 @@ class ProducerSession:
         for key in list(t.waiting):
             self._try_round(self._pulls[key], now)
 
-    def _settle(self, t: _Transfer, peer: Peer, now: float) -> None:
+    def _settle(self, t: _Transfer, peer: Peer, reason: FreeReason = FreeReason.SERVED) -> None:
+        """``peer``'s pull is settled; ``reason`` says how, should it be the last one."""
         t.settled.add(peer)
         if t.state is S.READY and t.need_send and len(t.settled) >= t.need_send:
-            self._settle_all(t, FreeReason.SERVED)
+            self._settle_all(t, reason)
 
     def _settle_all(self, t: _Transfer, reason: FreeReason) -> None:
         self._move(t, E.ALL_SETTLED)
@@ -304,9 +307,25 @@ class ProducerSession:
                 else:
                     self._on_cancel(ev, cancel, now)
                     return
-            self._reply_error(ev.identity, None, ErrorCode.BAD_MESSAGE, str(error))
+            self._reply_error(
+                ev.identity, self._announced(ev.data), ErrorCode.BAD_MESSAGE, str(error)
+            )
             return
         self._on_pull(ev.identity, pull, now)
+
+    def _announced(self, data: bytes) -> Agreement | None:
+        """What a frame that did not decode announced, if its top level says pdwire/2: such a
+        sender gets the error code too (2.4-R2)."""
+        try:
+            obj = msgspec.msgpack.decode(data)
+        except (msgspec.DecodeError, RecursionError):
+            return None
+        version = obj.get("pdwire_version") if isinstance(obj, dict) else None
+        if type(version) is not int or version < 2:
+            return None
+        caps = obj.get("pdwire_caps")
+        ok_caps = caps if isinstance(caps, list) and all(type(c) is str for c in caps) else []
+        return self._agreement(version, ok_caps)
 
     def _agreement(self, version: int, caps: list[str]) -> Agreement:
         peer = Offer(version, frozenset(caps)) if version >= 2 else LEGACY_PEER
@@ -560,7 +579,7 @@ class ProducerSession:
             t.writing -= 1
             if status == 0:
                 pull.ok.append(d_req)
-                self._settle(t, pull.peer, now)
+                self._settle(t, pull.peer)
             else:
                 pull.err[d_req] = (ErrorCode.ENGINE_ERROR, msgs.ENGINE_RETURNED.format(ret=status))
             if t.state is S.READY and not t.writing and t.expire_at <= now:
@@ -650,7 +669,7 @@ class ProducerSession:
             self._move(t, E.CANCELLED)
             if not t.need_send:
                 t.need_send = need_send
-            self._settle(t, peer, now)
+            self._settle(t, peer, FreeReason.CANCELLED)
             if held:
                 cancelled.append(d_req)
         self._reply(ev.identity, agreement, Reply(Status.FINISH, ok_reqs=cancelled or None))

@@ -1,0 +1,261 @@
+"""The D worker's agent: a ``ConsumerSession`` driven by ZMQ DEALERs and the bootstrap server
+(spec §3.1, §4.2).
+
+The agent takes no protocol decision and keeps no timer of its own: the session owns the
+receive timeout and the deadline. The agent queries the bootstrap server when told to, opens a
+new DEALER per pull (and per cancel), feeds back every frame received on it until the session
+closes it, and reports the session's verdicts to the engine as callbacks. P writes the KV
+straight into the memory the caller registered with the transport before ``start``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Final, assert_never
+
+import zmq
+import zmq.asyncio
+
+from pdwire.consumer import ConsumerConfig, ConsumerSession
+from pdwire.events import (
+    AbortRequested,
+    BlocksReleased,
+    ClosePull,
+    ConsumerInput,
+    ConsumerOutput,
+    EngineResolved,
+    LoadRequest,
+    LoadsRequested,
+    QueryBootstrap,
+    ReplyReceived,
+    RequestFailed,
+    RequestLoaded,
+    SendPull,
+    TimePassed,
+)
+from pdwire.http_models import EngineEntry
+from pdwire.messages import ErrorCode
+from pdwire.planning import Side
+
+from . import bootstrap_client
+from .loop_thread import DeadlineTimer, LoopThread, run_callback
+from .transport import MooncakeTransport
+
+logger = logging.getLogger(__name__)
+
+#: 4.2-R4: the reason every request of the batch fails with when the engine is not found.
+ENGINE_NOT_FOUND: Final = "remote engine_id {engine_id} not found from bootstrap server {addr}"
+
+#: ``on_loaded(d_req_id)``: the request's KV is in its blocks; it may decode.
+OnLoaded = Callable[[str], None]
+#: ``on_failed(d_req_id, code, reason, blocks_free)``: loading failed for good; free the blocks
+#: now only when ``blocks_free``, else on ``on_released``.
+OnFailed = Callable[[str, ErrorCode, str, bool], None]
+#: ``on_released(d_req_id)``: no write can land in this failed request's blocks any more.
+OnReleased = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class _OpenPull:
+    socket: zmq.asyncio.Socket
+    reader: asyncio.Task[None]
+
+
+def _log_send_failure(pull_id: int, sent: asyncio.Future[Any]) -> None:
+    if not sent.cancelled() and sent.exception() is not None:
+        logger.warning("pull %d: not sent: %r", pull_id, sent.exception())
+
+
+def _session_of(transport: MooncakeTransport) -> tuple[str, int]:
+    host, _, port = transport.session.rpartition(":")
+    return host, int(port)
+
+
+class ConsumerAgent:
+    """One D worker's side channel.
+
+    ``config.hostname``/``config.port`` must name ``transport``'s engine (``config_for`` fills
+    them in): that is where P writes. The callbacks run on the agent's loop thread: they must be
+    quick and thread-safe; an exception they raise is logged."""
+
+    def __init__(
+        self,
+        config: ConsumerConfig,
+        transport: MooncakeTransport,
+        *,
+        on_loaded: OnLoaded,
+        on_failed: OnFailed,
+        on_released: OnReleased,
+        query_timeout: float = 30.0,
+    ) -> None:
+        if (config.hostname, config.port) != _session_of(transport):
+            raise ValueError(
+                f"the config names {config.hostname}:{config.port} but the transport is at "
+                f"{transport.session}: P would write elsewhere (use ConsumerAgent.config_for)"
+            )
+        self._config = config
+        self._session = ConsumerSession(config)
+        self._transport = transport
+        self._on_loaded = on_loaded
+        self._on_failed = on_failed
+        self._on_released = on_released
+        self._query_timeout = query_timeout
+        self._thread = LoopThread(name=f"pdwire-d-{transport.session}")
+        self._timer = DeadlineTimer(self._thread.loop, self._on_timer)
+        self._ctx = zmq.asyncio.Context()
+        self._pulls: dict[int, _OpenPull] = {}
+        self._queries: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._pulls_sent = 0
+        self._replies_received = 0
+
+    @classmethod
+    def config_for(cls, transport: MooncakeTransport, side: Side, **fields: Any) -> ConsumerConfig:
+        """A ``ConsumerConfig`` whose hostname and port are ``transport``'s engine."""
+        hostname, port = _session_of(transport)
+        return ConsumerConfig(hostname=hostname, port=port, side=side, **fields)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the loop thread. Loads asked for before are served from then on."""
+        self._thread.start(timeout)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close every socket (linger 0) and stop the loop."""
+        if self._thread.alive:
+            try:
+                self._thread.submit(self._close()).result(timeout)
+            except Exception:
+                logger.exception("D worker %s: error while closing", self._transport.session)
+        self._thread.stop(timeout)
+        if not self._ctx.closed:
+            self._ctx.destroy(linger=0)
+
+    async def _close(self) -> None:
+        self._closed = True
+        self._timer.cancel()
+        tasks = [*self._queries, *(p.reader for p in self._pulls.values())]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for pull in self._pulls.values():
+            pull.socket.close(linger=0)
+        self._pulls.clear()
+        self._ctx.destroy(linger=0)
+
+    # -- the engine's calls (any thread; they return at once and apply in order) ----------
+
+    def load(self, requests: Sequence[LoadRequest]) -> None:
+        """Load these requests (one engine step's batch)."""
+        self._thread.call(self._feed, LoadsRequested(tuple(requests)))
+
+    def abort(self, d_req_id: str) -> None:
+        self._thread.call(self._feed, AbortRequested(d_req_id))
+
+    @property
+    def pulls_sent(self) -> int:
+        """Pulls and cancels sent."""
+        return self._pulls_sent
+
+    @property
+    def replies_received(self) -> int:
+        return self._replies_received
+
+    @property
+    def open_sockets(self) -> int:
+        return len(self._pulls)
+
+    # -- the loop thread ---------------------------------------------------------------------
+
+    def _on_timer(self) -> None:
+        self._feed(TimePassed())
+
+    def _feed(self, event: ConsumerInput) -> None:
+        if self._closed:
+            return
+        try:
+            out = self._session.handle(event, self._thread.time())
+        except Exception:
+            logger.exception(
+                "D worker %s: the session refused %s", self._transport.session, type(event)
+            )
+            out = []
+        for output in out:
+            self._dispatch(output)
+        self._timer.arm(self._session.next_deadline())
+
+    def _dispatch(self, output: ConsumerOutput) -> None:
+        match output:
+            case SendPull():
+                self._send_pull(output)
+            case ClosePull(pull_id=pull_id):
+                self._close_pull(pull_id)
+            case QueryBootstrap(engine_id=engine_id, bootstrap_addr=addr):
+                task = asyncio.create_task(self._resolve(engine_id, addr), name=f"query {addr}")
+                self._queries.add(task)
+                task.add_done_callback(self._queries.discard)
+            case RequestLoaded(d_req_id=d_req):
+                run_callback("on_loaded", self._on_loaded, d_req)
+            case RequestFailed(d_req_id=d_req, code=code, reason=reason, blocks_free=free):
+                run_callback("on_failed", self._on_failed, d_req, code, reason, free)
+            case BlocksReleased(d_req_id=d_req):
+                run_callback("on_released", self._on_released, d_req)
+            case _:
+                assert_never(output)
+
+    async def _resolve(self, engine_id: str, addr: str) -> None:
+        entry: EngineEntry | None = None
+        try:
+            reply = await bootstrap_client.query(addr, timeout=self._query_timeout)
+        except bootstrap_client.BootstrapError as exc:
+            logger.warning("query of %s for engine %s failed: %s", addr, engine_id, exc)
+        except Exception:
+            logger.exception("query of %s for engine %s failed", addr, engine_id)
+        else:
+            entry = next((e for e in reply.root.values() if e.engine_id == engine_id), None)
+        error = "" if entry is not None else ENGINE_NOT_FOUND.format(engine_id=engine_id, addr=addr)
+        self._feed(EngineResolved(engine_id, entry, error))
+
+    def _send_pull(self, pull: SendPull) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if "[" in pull.addr:
+            sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.connect(pull.addr)
+        except zmq.ZMQError as exc:
+            # Nothing more to do here: the session's receive timeout ends the pull.
+            logger.error("pull %d: cannot connect to %s: %s", pull.pull_id, pull.addr, exc)
+            sock.close(linger=0)
+            return
+        self._pulls_sent += 1
+        sent = asyncio.ensure_future(sock.send(pull.data))
+        sent.add_done_callback(functools.partial(_log_send_failure, pull.pull_id))
+        reader = asyncio.create_task(self._read(pull.pull_id, sock), name=f"pull {pull.pull_id}")
+        self._pulls[pull.pull_id] = _OpenPull(sock, reader)
+
+    async def _read(self, pull_id: int, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while not sock.closed:
+                frame = await sock.recv()
+                self._replies_received += 1
+                data = frame if isinstance(frame, bytes) else frame.bytes
+                self._feed(ReplyReceived(pull_id, data))
+        except zmq.ZMQError as exc:
+            if not sock.closed:
+                logger.warning("pull %d: receive failed: %s", pull_id, exc)
+
+    def _close_pull(self, pull_id: int) -> None:
+        pull = self._pulls.pop(pull_id, None)
+        if pull is None:
+            return
+        # The reader that fed the reply which closed its own pull sees the socket closed and
+        # returns; cancelling itself would only do the same.
+        if pull.reader is not asyncio.current_task():
+            pull.reader.cancel()
+        pull.socket.close(linger=0)

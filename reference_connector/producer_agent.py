@@ -1,0 +1,343 @@
+"""The P worker's agent: a ``ProducerSession`` driven by a ZMQ ROUTER, the Mooncake transfer
+engine and the bootstrap server (spec §3.1, §4.1, §4.4).
+
+The agent takes no protocol decision. It binds the side-channel ROUTER, registers it, and then
+only moves things between the session and real I/O: frames in, replies out, writes to the
+transfer engine (on a thread pool, never on the loop), and the session's outputs for the engine
+as callbacks. Everything the session sees happens on the agent's loop thread, with the loop's
+monotonic clock as ``now``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, assert_never
+
+import zmq
+import zmq.asyncio
+
+from pdwire.events import (
+    FreeBlocks,
+    FreeReason,
+    MessageReceived,
+    ProducerInput,
+    ProducerOutput,
+    RejectRequest,
+    SendReply,
+    StartWrite,
+    TimePassed,
+    TransferFinished,
+    TransferStarted,
+    TransferWillNotSend,
+    WriteCompleted,
+)
+from pdwire.http_models import RegisterWorkerPayload
+from pdwire.messages import ErrorCode
+from pdwire.negotiation import Offer
+from pdwire.producer import ProducerConfig, ProducerSession
+from pdwire.versions import PDWIRE_2, Capability
+
+from . import bootstrap_client
+from .loop_thread import DeadlineTimer, LoopThread, run_callback
+from .transport import ENGINE_RAISED, OK, MooncakeTransport
+
+logger = logging.getLogger(__name__)
+
+#: ``on_free(p_req_id, transfer_id, reason)``: P may free the request's blocks now.
+OnFree = Callable[[str, str, FreeReason], None]
+#: ``on_reject(p_req_id, transfer_id, code, message)``: fail the request's HTTP leg (§10.11.8).
+OnReject = Callable[[str, str, ErrorCode, str], None]
+
+
+class AgentStartError(RuntimeError):
+    """The agent could not start: its socket could not be bound or its registration failed."""
+
+
+def _endpoint_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class ProducerAgent:
+    """One P worker's side channel.
+
+    ``on_free`` and ``on_reject`` run on the agent's loop thread: they must be quick (hand the
+    work to the engine's own thread) and thread-safe; an exception they raise is logged.
+    ``sender_threads`` is how many batch writes may run at once. ``announce`` says whether the
+    registration carries the pdwire/2 fields (``pdwire_version``, ``pdwire_caps``, ``tp_size``,
+    ``pp_size``, and ``fingerprint`` when ``fingerprint`` is announced); by default it does
+    exactly when the config's profile is pdwire/2 (4.1-R9 to R11). ``host`` is the worker's IP:
+    the ROUTER binds there on a random port, and that endpoint is what it registers.
+    """
+
+    def __init__(
+        self,
+        config: ProducerConfig,
+        transport: MooncakeTransport,
+        *,
+        bootstrap_url: str,
+        engine_id: str,
+        on_free: OnFree,
+        on_reject: OnReject,
+        dp_rank: int = 0,
+        tp_rank: int | None = None,
+        pp_rank: int = 0,
+        host: str = "127.0.0.1",
+        sender_threads: int = 4,
+        announce: bool | None = None,
+        register_timeout: float = 30.0,
+    ) -> None:
+        if tp_rank is not None and tp_rank != config.side.tp_rank:
+            raise ValueError(f"tp_rank {tp_rank} differs from the config's {config.side.tp_rank}")
+        if sender_threads < 1:
+            raise ValueError(f"sender_threads must be at least 1, got {sender_threads}")
+        self._config = config
+        self._session = ProducerSession(config)
+        self._transport = transport
+        self._bootstrap_url = bootstrap_url
+        self._engine_id = engine_id
+        self._ranks = (dp_rank, config.side.tp_rank, pp_rank)
+        self._host = host
+        self._announce = config.profile == PDWIRE_2 if announce is None else announce
+        self._register_timeout = register_timeout
+        self._on_free = on_free
+        self._on_reject = on_reject
+        self._thread = LoopThread(name=f"pdwire-p-{engine_id}-{dp_rank}.{config.side.tp_rank}")
+        self._timer = DeadlineTimer(self._thread.loop, self._on_timer)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=sender_threads, thread_name_prefix="pdwire-p-sender"
+        )
+        self._ctx: zmq.asyncio.Context | None = None
+        self._sock: zmq.asyncio.Socket | None = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._address = ""
+        self._closed = False
+        self._counted = threading.Condition()
+        self._pulls_received = 0
+        self._replies_sent = 0
+        self._writes = 0
+        self._bytes_written = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Bind the ROUTER, register it at the bootstrap server (with its retries), then serve.
+
+        Raises ``AgentStartError`` when registration fails or takes longer than ``timeout``; the
+        agent is stopped then."""
+        self._thread.start()
+        future = self._thread.submit(self._open())
+        try:
+            future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self.stop()
+            raise AgentStartError(
+                f"P worker {self._describe()} did not register at {self._bootstrap_url} "
+                f"within {timeout}s"
+            ) from None
+        except BaseException:
+            self.stop()
+            raise
+
+    async def _open(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        host = _endpoint_host(self._host)
+        if host.startswith("["):
+            self._sock.setsockopt(zmq.IPV6, 1)
+        try:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            raise AgentStartError(f"cannot bind the side channel on tcp://{host}: {exc}") from exc
+        self._address = f"tcp://{host}:{port}"
+        try:
+            await bootstrap_client.register(
+                self._bootstrap_url,
+                self._payload(),
+                timeout=self._register_timeout,
+                auth_key=self._config.auth_key if self._announce else None,
+            )
+        except bootstrap_client.BootstrapError as exc:
+            raise AgentStartError(
+                f"P worker {self._describe()} at {self._address} could not register at the "
+                f"bootstrap server {self._bootstrap_url}: {exc}"
+            ) from exc
+        # 4.4-R6: pulls are served only once registered; earlier ones wait in the socket.
+        self._receiver = asyncio.create_task(self._receive(), name=f"receive {self._address}")
+        logger.info("P worker %s serving at %s", self._describe(), self._address)
+
+    def _describe(self) -> str:
+        dp, tp, pp = self._ranks
+        return f"{self._engine_id} dp={dp} tp={tp} pp={pp}"
+
+    def _payload(self) -> RegisterWorkerPayload:
+        dp, tp, pp = self._ranks
+        fields: dict[str, Any] = {
+            "engine_id": self._engine_id,
+            "dp_rank": dp,
+            "tp_rank": tp,
+            "pp_rank": pp,
+            "addr": self._address,
+        }
+        if self._announce:
+            config = self._config
+            offer = Offer.of(config.profile, config.caps)
+            send_fingerprint = Capability.FINGERPRINT.value in offer.caps
+            fields.update(
+                pdwire_version=offer.version,
+                pdwire_caps=sorted(offer.caps),
+                tp_size=config.side.tp_size,
+                pp_size=config.side.pp_size,
+                fingerprint=config.fingerprint if send_fingerprint else None,
+            )
+        return RegisterWorkerPayload(**fields)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the socket (linger 0), wait for the writes in flight, stop the loop. The
+        transport (and the memory registered with it) is the caller's to close afterwards."""
+        if self._thread.alive:
+            try:
+                self._thread.submit(self._close()).result(timeout)
+            except Exception:
+                logger.exception("P worker %s: error while closing", self._describe())
+        # Waits for writes in flight: their memory must stay registered until they end.
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._thread.stop(timeout)
+
+    async def _close(self) -> None:
+        self._closed = True
+        self._timer.cancel()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            await asyncio.gather(self._receiver, return_exceptions=True)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+
+    # -- the engine's calls (any thread; they return at once and apply in order) ----------
+
+    def transfer_started(self, transfer_id: str, p_req_id: str) -> None:
+        """The scheduler admitted the request that produces ``transfer_id``."""
+        self._thread.call(self._feed, TransferStarted(transfer_id, p_req_id))
+
+    def transfer_finished(self, transfer_id: str, p_req_id: str, blocks: list[list[int]]) -> None:
+        """The request's KV is ready in ``blocks`` (per KV-cache group)."""
+        self._thread.call(self._feed, TransferFinished(transfer_id, p_req_id, blocks))
+
+    def transfer_will_not_send(self, transfer_id: str, p_req_id: str, reason: str = "") -> None:
+        """The request ended without KV to send (a stop token, an abort, an error)."""
+        self._thread.call(self._feed, TransferWillNotSend(transfer_id, p_req_id, reason))
+
+    # -- counters ----------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The registered side-channel endpoint, ``tcp://host:port`` ("" before ``start``)."""
+        return self._address
+
+    @property
+    def pulls_received(self) -> int:
+        """Two-frame messages received: pulls and cancels."""
+        return self._pulls_received
+
+    @property
+    def replies_sent(self) -> int:
+        return self._replies_sent
+
+    @property
+    def writes(self) -> int:
+        """Batch writes started."""
+        return self._writes
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the batch writes that completed with status 0."""
+        return self._bytes_written
+
+    def wait_pulls(self, count: int, timeout: float) -> bool:
+        """Block until ``pulls_received >= count``; False if ``timeout`` passed first."""
+        with self._counted:
+            return self._counted.wait_for(lambda: self._pulls_received >= count, timeout)
+
+    # -- the loop thread ---------------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        assert self._sock is not None
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                logger.warning(
+                    "%s: dropped a message of %d frames (3.1-R5)", self._address, len(frames)
+                )
+                continue
+            identity, data = (f if isinstance(f, bytes) else f.bytes for f in frames)
+            with self._counted:
+                self._pulls_received += 1
+                self._counted.notify_all()
+            self._feed(MessageReceived(identity, data))
+
+    def _on_timer(self) -> None:
+        self._feed(TimePassed())
+
+    def _feed(self, event: ProducerInput) -> None:
+        if self._closed:
+            return
+        try:
+            out = self._session.handle(event, self._thread.time())
+        except Exception:
+            logger.exception("P worker %s: the session refused %s", self._describe(), type(event))
+            out = []
+        for output in out:
+            self._dispatch(output)
+        self._timer.arm(self._session.next_deadline())
+
+    def _dispatch(self, output: ProducerOutput) -> None:
+        match output:
+            case SendReply(identity=identity, data=data):
+                self._send(identity, data)
+            case StartWrite():
+                self._start_write(output)
+            case FreeBlocks(p_req_id=p_req, transfer_id=transfer_id, reason=reason):
+                run_callback("on_free", self._on_free, p_req, transfer_id, reason)
+            case RejectRequest(p_req_id=p_req, transfer_id=transfer_id, code=code, message=msg):
+                run_callback("on_reject", self._on_reject, p_req, transfer_id, code, msg)
+            case _:
+                assert_never(output)
+
+    def _send(self, identity: bytes, data: bytes) -> None:
+        assert self._sock is not None
+        self._replies_sent += 1
+        sent = asyncio.ensure_future(self._sock.send_multipart([identity, data]))
+        sent.add_done_callback(self._log_send_failure)
+
+    def _log_send_failure(self, sent: asyncio.Future[Any]) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            logger.warning("%s: reply not sent: %r", self._address, sent.exception())
+
+    def _start_write(self, write: StartWrite) -> None:
+        self._writes += 1
+        loop = self._thread.loop
+        try:
+            done = loop.run_in_executor(
+                self._executor, self._transport.write, write.peer, write.descriptors
+            )
+        except RuntimeError:  # the executor is shut down: the agent is stopping
+            logger.warning("%s: write %d not started: stopping", self._address, write.write_id)
+            return
+        done.add_done_callback(functools.partial(self._write_done, write))
+
+    def _write_done(self, write: StartWrite, done: asyncio.Future[int]) -> None:
+        if done.cancelled():
+            return
+        exc = done.exception()
+        if exc is not None:
+            logger.error("%s: write %d raised: %r", self._address, write.write_id, exc)
+        status = ENGINE_RAISED if exc is not None else done.result()
+        if status == OK:
+            self._bytes_written += write.descriptors.total_bytes
+        self._feed(WriteCompleted(write.write_id, status))
