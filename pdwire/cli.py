@@ -266,8 +266,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_simulate)
     for command in entry_points(group=COMMANDS_GROUP):
-        command.load().add_parser(sub)
+        try:
+            module = command.load()
+        except ImportError as exc:  # an extra that is not installed: say how to get it
+            _unavailable(sub, command.name, exc)
+        else:
+            module.add_parser(sub)
     return parser
+
+
+def _unavailable(sub: Any, name: str, exc: ImportError) -> None:
+    reason = f"needs a package that is not installed ({exc}); pip install 'pdwire[runtime]'"
+
+    def fail(args: argparse.Namespace) -> int:
+        print(f"pdwire {name}: {reason}", file=sys.stderr)
+        return EXIT_USAGE
+
+    p = sub.add_parser(name, help=f"(unavailable: {reason})", description=reason)
+    p.set_defaults(func=fail)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -128,3 +128,20 @@ def test_spec_tables_detects_and_fixes_drift(
 def test_missing_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "decode", "/nonexistent/file")
     assert code == 2 and "No such file" in err
+
+
+def test_a_command_whose_extra_is_missing_explains_itself(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Broken:
+        name = "bootstrap"
+
+        def load(self) -> None:
+            raise ImportError("No module named 'fastapi'")
+
+    monkeypatch.setattr(cli, "entry_points", lambda group: [Broken()])
+    code, _, err = run(capsys, "bootstrap")
+    assert code == 2
+    assert "fastapi" in err and "pdwire[runtime]" in err
+    code, out, _ = run(capsys, "decode", str(SPEC / "vectors" / "response-legacy-finish.msgpack"))
+    assert code == 0 and '"kind": "response"' in out
