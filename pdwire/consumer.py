@@ -174,7 +174,8 @@ class ConsumerSession:
 
     def _on_engine(self, ev: EngineResolved, now: float) -> None:
         reqs = self._waiting.pop(ev.engine_id, [])
-        problem = ev.error or self._entry_problem(ev.engine_id, ev.entry)
+        addr = reqs[0].bootstrap_addr if reqs else ""
+        problem = ev.error or self._entry_problem(ev.engine_id, ev.entry, addr)
         if problem or ev.entry is None:
             for req in reqs:
                 load = self._loads.get(req.d_req_id)
@@ -186,9 +187,9 @@ class ConsumerSession:
         if live:
             self._start_pulls(ev.engine_id, live, now)
 
-    def _entry_problem(self, engine_id: str, entry: EngineEntry | None) -> str:
+    def _entry_problem(self, engine_id: str, entry: EngineEntry | None, addr: str) -> str:
         if entry is None or entry.engine_id != engine_id:
-            return f"remote engine_id {engine_id} not found from bootstrap server"
+            return f"remote engine_id {engine_id} not found from bootstrap server {addr}"
         tp = entry.tp_size or len(entry.worker_addr)
         if entry.tp_size is not None and len(entry.worker_addr) < entry.tp_size:
             return f"remote engine_id {engine_id} has {len(entry.worker_addr)} of {tp} TP ranks"
@@ -218,15 +219,21 @@ class ConsumerSession:
             load = self._loads[req.d_req_id]
             self._move(load, LE.ENGINE_KNOWN)
             load.outstanding = len(addrs)
-        version_offer = (
-            Offer(entry.pdwire_version, frozenset(entry.pdwire_caps or ()))
-            if entry.pdwire_version
-            else LEGACY_PEER
-        )
         for addr in addrs:
-            peer = self._peers.get(addr, version_offer)
             batch = {r.d_req_id: r.transfer_id for r in reqs}
-            self._send_pull(addr, engine_id, batch, negotiate("D", self._offer, peer), now)
+            self._send_pull(addr, engine_id, batch, self._agreement(addr, engine_id), now)
+
+    def _agreement(self, addr: str, engine_id: str) -> Agreement:
+        """What D knows of the P worker at ``addr``: its replies, else its /query entry."""
+        peer = self._peers.get(addr)
+        entry = self._engines.get(engine_id)
+        if peer is None and entry is not None:
+            peer = (
+                Offer(entry.pdwire_version, frozenset(entry.pdwire_caps or ()))
+                if entry.pdwire_version
+                else LEGACY_PEER
+            )
+        return negotiate("D", self._offer, peer)
 
     # -- pulls -------------------------------------------------------------------------------
 
@@ -314,9 +321,7 @@ class ConsumerSession:
             if pull.with_layout:
                 self._fail_pull(pull, ErrorCode.LAYOUT_MISS, reply.err_msg or "transfer error")
             else:  # P lost our layout: resend the same pull with it (§3.7)
-                self._close(pull)
-                agreement = negotiate("D", self._offer, self._peers.get(pull.addr))
-                self._send_pull(pull.addr, pull.engine_id, pull.reqs, agreement, now)
+                self._resend_with_layout(pull, now)
             return
         if reply.status is Status.ERROR:
             code = _code(reply.err_code)
@@ -332,6 +337,17 @@ class ConsumerSession:
             self._settle(pull, d_req, None)
         if reply.status is Status.FINISH:
             self._fail_pull(pull, ErrorCode.INTERNAL, UNREPORTED)
+
+    def _resend_with_layout(self, pull: _Pull, now: float) -> None:
+        """Only requests still waiting go again; one D gave up on is settled here, since a new
+        pull would not be covered by the cancel already sent (10.10.5)."""
+        again = {d: t for d, t in pull.reqs.items() if not self._loads[d].reported}
+        for d_req in set(pull.reqs) - set(again):
+            self._settle(pull, d_req, (ErrorCode.LAYOUT_MISS, "layout lost after the deadline"))
+        self._close(pull)
+        if again:
+            agreement = self._agreement(pull.addr, pull.engine_id)
+            self._send_pull(pull.addr, pull.engine_id, again, agreement, now)
 
     def _learn_peer(self, pull: _Pull, version: int, caps: list[str]) -> None:
         if version >= 2:
@@ -405,10 +421,16 @@ class ConsumerSession:
             if any(load.req.blocks):
                 self._out.append(RequestFailed(load.req.d_req_id, code, reason, blocks_free=False))
             for pull in self._pulls.values():
-                withdrawable = not pull.cancel and pull.agreement.allows(Capability.CANCEL)
-                if withdrawable and load.req.d_req_id in pull.reqs:
+                if pull.cancel or load.req.d_req_id not in pull.reqs:
+                    continue
+                agreement = (
+                    negotiate("D", self._offer, self._peers[pull.addr])
+                    if pull.addr in self._peers
+                    else pull.agreement
+                )
+                if agreement.allows(Capability.CANCEL):  # never to a P shown to be legacy
                     by_addr[pull.addr][load.req.d_req_id] = load.req.transfer_id
-                    agreements[pull.addr] = pull.agreement
+                    agreements[pull.addr] = agreement
         for addr, reqs in by_addr.items():
             self._send_cancel(addr, reqs, agreements[addr], reason, now)
 

@@ -117,6 +117,26 @@ class _Pull:
     generation: int = 0  # bumps when wait_until moves, to drop stale timer entries
 
 
+#: Codes of optional behaviours: sent only to a D that announced the capability (7.2-R3).
+_CODE_CAPS: Final = {
+    ErrorCode.WILL_NOT_SEND: Capability.WILL_NOT_SEND,
+    ErrorCode.CANCELLED: Capability.CANCEL,
+    ErrorCode.DEADLINE_EXCEEDED: Capability.DEADLINE,
+    ErrorCode.FINGERPRINT_MISMATCH: Capability.FINGERPRINT,
+}
+
+
+def _drop_unagreed_codes(reply: Reply, agreement: Agreement) -> None:
+    def agreed(code: str | None) -> bool:
+        cap = _CODE_CAPS.get(ErrorCode(code)) if code and code in ErrorCode.__members__ else None
+        return cap is None or agreement.allows(cap)
+
+    if not agreed(reply.err_code):
+        reply.err_code = None
+    if reply.err_codes:
+        reply.err_codes = {d: c for d, c in reply.err_codes.items() if agreed(c)} or None
+
+
 class ProducerSession:
     """One P worker's protocol state: its transfers, the pulls it serves, its layout cache."""
 
@@ -264,7 +284,11 @@ class ProducerSession:
     def _settle(self, t: _Transfer, peer: Peer, reason: FreeReason = FreeReason.SERVED) -> None:
         """``peer``'s pull is settled; ``reason`` says how, should it be the last one."""
         t.settled.add(peer)
-        if t.state is S.READY and t.need_send and len(t.settled) >= t.need_send:
+        self._free_if_done(t, reason)
+
+    def _free_if_done(self, t: _Transfer, reason: FreeReason) -> None:
+        """Free once every required pull settled and no write reads the blocks (10.9.1-2)."""
+        if t.state is S.READY and not t.writing and t.need_send and len(t.settled) >= t.need_send:
             self._settle_all(t, reason)
 
     def _settle_all(self, t: _Transfer, reason: FreeReason) -> None:
@@ -336,6 +360,7 @@ class ProducerSession:
         if agreement.announce:
             reply.pdwire_version = self._offer.version
             reply.pdwire_caps = sorted(self._offer.caps)
+            _drop_unagreed_codes(reply, agreement)
         if self.config.auth_key is not None and agreement.allows(Capability.AUTH):
             reply = auth.sign(reply, self.config.auth_key)
         self._out.append(SendReply(identity, reply, encode_response(reply, agreement)))
@@ -579,9 +604,10 @@ class ProducerSession:
             t.writing -= 1
             if status == 0:
                 pull.ok.append(d_req)
-                self._settle(t, pull.peer)
+                t.settled.add(pull.peer)
             else:
                 pull.err[d_req] = (ErrorCode.ENGINE_ERROR, msgs.ENGINE_RETURNED.format(ret=status))
+            self._free_if_done(t, FreeReason.SERVED)
             if t.state is S.READY and not t.writing and t.expire_at <= now:
                 self._expire(t, now)
         pull.round = None
@@ -595,8 +621,9 @@ class ProducerSession:
             self._try_round(pull, now)
 
     def _flush(self, pull: _Pull) -> None:
-        """Reply with what the pull has to report: CONTINUE, or FINISH once nothing is pending."""
-        if pull.pending and not (pull.ok or pull.err):
+        """Reply with what the pull has to report: CONTINUE, or FINISH once nothing is pending.
+        Nothing while a round is being written: its end reports everything (3.4-R17)."""
+        if pull.round is not None or (pull.pending and not (pull.ok or pull.err)):
             return
         status = Status.CONTINUE if pull.pending else Status.FINISH
         self._reply(pull.identity, pull.agreement, self._round_reply(pull, status))
@@ -655,6 +682,8 @@ class ProducerSession:
         touched: list[_Pull] = []
         for d_req, transfer_id in cancel.cancel_reqs.items():
             t = self._transfers.get(transfer_id)
+            if t is not None and t.bound_d_req not in (None, d_req):
+                continue  # the transfer_id belongs to another request (10.11.9)
             held = t is not None and t.state in (S.PLACEHOLDER, S.RECORDED, S.READY)
             for p in self._pulls.values():
                 if p.peer == peer and p.pending.get(d_req) == transfer_id:

@@ -70,7 +70,11 @@ TRANSFER_TRANSITIONS: Final[dict[tuple[TransferState | None, TransferEvent], Tra
     **{
         (done, event): nxt
         for done in (S.SERVED, S.EXPIRED, S.NOT_SENT)
-        for event, nxt in ((E.STARTED, S.RECORDED), (E.FINISHED, S.READY))
+        for event, nxt in (
+            (E.STARTED, S.RECORDED),
+            (E.FINISHED, S.READY),
+            (E.WILL_NOT_SEND, S.NOT_SENT),
+        )
     },
 }
 

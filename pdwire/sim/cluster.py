@@ -71,6 +71,7 @@ class SimParams:
     deadline: float = 60.0  # D's load deadline (pdwire/2) and the SLA late_terminal uses
     abort_timeout: float = 480.0
     net_latency: float = 100e-6
+    step_jitter: float = 5e-3  # each D worker starts a load within this of the others
     bandwidth: float = 25e9  # bytes per second per write
     prefill_per_token: float = 50e-6
     slow_prefill: float = 600.0
@@ -287,7 +288,8 @@ class Cluster:
         )
         for w in self._d_of[d_inst]:
             w.held[f"d-{n}"] = nblocks
-            self.at(self.now + lat, self._feed, w, LoadsRequested((load,)))
+            begins = self.now + lat + self.rng.uniform(0.0, p.step_jitter)
+            self.at(begins, self._feed, w, LoadsRequested((load,)))
 
     def _prefilled(self, req: Request) -> None:
         p_req = f"p-{req.n}"

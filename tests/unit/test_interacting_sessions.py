@@ -325,6 +325,20 @@ class Cluster:
         self.request(LOAD_C)
         self.run()
 
+    def staggered_scenario(self) -> None:
+        """A, ready, pulled by one D worker at a time: each pull ends before the next starts,
+        so a P that frees after the first pull is caught (pulls that overlap hide it, since P
+        never frees while a write reads the blocks)."""
+        for w in self.p:
+            self.to_p(w, TransferStarted(LOAD_A.transfer_id, LOAD_A.p_req))
+        self.finish(LOAD_A)
+        for w in self.d:
+            load = LoadRequest(
+                LOAD_A.d_req, LOAD_A.transfer_id, ENGINE, BOOTSTRAP, [list(LOAD_A.d_blocks)]
+            )
+            self.to_d(w, LoadsRequested((load,)))
+            self.run()
+
     # -- what the spec says should have happened ---------------------------------------------
 
     def pulled_by(self, d: DWorker) -> set[str]:
@@ -444,8 +458,23 @@ def test_the_check_sees_a_misplaced_byte() -> None:
         check(c)
 
 
-def test_the_check_sees_an_early_free() -> None:
-    """The order check is not vacuous: a P that frees after one of two D ranks' pulls fails."""
+def freed_after_every_pull(c: Cluster) -> bool:
+    """In the staggered scenario: each P worker freed A only after every paired D worker's pull
+    of A was served (10.9.1), and every D worker loaded A."""
+    for p in c.p:
+        frees = [step for (step, i, o) in c.log.frees if i == p.index]
+        served = {d: s for (s, i, d, r) in c.log.served if (i, r) == (p.index, LOAD_A.d_req)}
+        if len(frees) != 1 or set(served) != c.paired_with(p):
+            return False
+        if any(s > frees[0] for s in served.values()):
+            return False
+    return all(c.log.reports[d.index] == [RequestLoaded(LOAD_A.d_req)] for d in c.d)
+
+
+@pytest.mark.parametrize("mutant", [False, True], ids=["control", "need_send-1"])
+def test_the_check_sees_an_early_free(mutant: bool) -> None:
+    """The order check is not vacuous: a P that frees after one of two D ranks' pulls fails it,
+    the same P unmutated passes it."""
 
     class Hasty(ProducerSession):
         def _open_pull(self, *args: Any, **kwargs: Any) -> Any:
@@ -454,10 +483,10 @@ def test_the_check_sees_an_early_free() -> None:
             return pull
 
     c = Cluster(GEOMETRY, PDWIRE_2, 1, 1, 2, 1)
-    c.p[0].session = Hasty(c.p[0].session.config)
-    c.scenario()
-    with pytest.raises(AssertionError):
-        check(c)
+    if mutant:
+        c.p[0].session = Hasty(c.p[0].session.config)
+    c.staggered_scenario()
+    assert freed_after_every_pull(c) is not mutant
 
 
 # A replicated P (TP above the KV heads): only the first P rank of each shard writes (§10.8.7).

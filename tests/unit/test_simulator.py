@@ -144,15 +144,21 @@ class NoDeadline(ConsumerSession):
             super()._push(when, kind, what)
 
 
+# Short prompts: the prefill ends before the D workers' pulls, which then come one by one (D
+# workers start within step_jitter of each other); overlapping pulls would hide an early free,
+# since P never frees while a write reads the blocks.
+SHORT = {"prompt_tokens": 32}
+
+
 def test_mutant_need_send_one_frees_early(monkeypatch: pytest.MonkeyPatch) -> None:
-    params = SimParams(requests=100, prefill_tp=1, decode_tp=2)
+    params = SimParams(requests=100, prefill_tp=1, decode_tp=2, **SHORT)
     clean(simulate(params))
     monkeypatch.setattr(cluster, "ProducerSession", NeedSendOne)
     assert simulate(params).early_frees > 0
 
 
 def test_mutant_need_send_one_frees_early_across_pp(monkeypatch: pytest.MonkeyPatch) -> None:
-    params = SimParams(requests=100, prefill_pp=1, decode_pp=2)
+    params = SimParams(requests=100, prefill_pp=1, decode_pp=2, **SHORT)
     clean(simulate(params))
     monkeypatch.setattr(cluster, "ProducerSession", NeedSendOne)
     assert simulate(params).early_frees > 0
