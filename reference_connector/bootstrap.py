@@ -8,19 +8,13 @@ registration are dropped, replies carry no ``pdwire_version`` and there is no ``
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
-import socket
-import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -36,6 +30,8 @@ from pdwire.http_models import (
     decode_json,
 )
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
+
+from .http_server import AppServer
 
 logger = logging.getLogger(__name__)
 
@@ -252,32 +248,10 @@ def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_V
 # -- the server thread ----------------------------------------------------------------------
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def _client_host(host: str) -> str:
-    """The host a local client dials for a server bound to ``host``."""
-    if host in ("", "0.0.0.0"):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    with contextlib.suppress(ValueError):
-        if ipaddress.ip_address(host).version == 6:
-            return f"[{host}]"
-    return host
-
-
-class BootstrapServer:
+class BootstrapServer(AppServer):
     """``create_app`` served by uvicorn in a daemon thread."""
+
+    name = "bootstrap server"
 
     def __init__(
         self,
@@ -286,78 +260,4 @@ class BootstrapServer:
         server_version: int = CURRENT_VERSION,
         app: FastAPI | None = None,
     ) -> None:
-        self.app = app or create_app(auth_key=auth_key, server_version=server_version)
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
-        self._host = "127.0.0.1"
-        self._port = 0
-
-    def start(
-        self, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0
-    ) -> BootstrapServer:
-        """Bind here (bind errors raise here), then serve from a thread; wait until it serves."""
-        if self._thread is not None:
-            raise RuntimeError("bootstrap server already started")
-        self._sock = _bind(host, port)
-        self._host, self._port = host, int(self._sock.getsockname()[1])
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", log_config=None
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run,
-            kwargs={"sockets": [self._sock]},
-            name="pdwire_bootstrap_server",
-            daemon=True,
-        )
-        self._thread.start()
-        self._wait_started(timeout)
-        logger.info("bootstrap server listening at %s", self.url)
-        return self
-
-    def _wait_started(self, timeout: float) -> None:
-        assert self._server is not None and self._thread is not None
-        deadline = time.monotonic() + timeout
-        # uvicorn sets a plain flag, no event: poll it, watching the thread too.
-        while not self._server.started:
-            if not self._thread.is_alive():
-                self.stop()
-                raise RuntimeError("bootstrap server exited during startup")
-            if time.monotonic() >= deadline:
-                self.stop()
-                raise TimeoutError(f"bootstrap server did not start in time ({timeout}s)")
-            self._thread.join(0.01)
-
-    @property
-    def port(self) -> int:
-        """The bound port (0 before ``start``)."""
-        return self._port
-
-    @property
-    def url(self) -> str:
-        return f"http://{_client_host(self._host)}:{self.port}"
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Ask uvicorn to exit and wait for its thread at most ``timeout`` seconds."""
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                logger.warning("bootstrap server thread still running after %ss", timeout)
-        if self._sock is not None:
-            self._sock.close()
-        self._server, self._thread, self._sock = None, None, None
-
-    def __enter__(self) -> BootstrapServer:
-        if self._thread is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        super().__init__(app or create_app(auth_key=auth_key, server_version=server_version))

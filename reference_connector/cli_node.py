@@ -1,0 +1,149 @@
+"""``pdwire node``: run a model-free engine node (a P or a D) in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from pdwire.versions import LEGACY, PDWIRE_2
+
+if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
+    from .node import NodeServer
+
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+DEFAULT_PORT = 8000
+DEFAULT_BOOTSTRAP_PORT = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default
+_POLL_S = 0.5
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``node`` subcommand to ``pdwire``'s subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "node",
+        help="run a model-free engine node (prefill or decode)",
+        description="Run an engine node with vLLM's OpenAI HTTP surface and MooncakeConnector's "
+        "kv_transfer_params handling, but no model: its KV is a fixed function of the tokens, "
+        "transferred by real workers (one process per TP/PP rank) over Mooncake and ZMQ. "
+        "D checks every loaded byte. Serves until SIGINT or SIGTERM; prints its URL once ready.",
+    )
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default 8000)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument(
+        "--bootstrap",
+        metavar="URL",
+        help="prefill: the bootstrap server to register at; without it the node serves one "
+        "on --bootstrap-port",
+    )
+    p.add_argument(
+        "--bootstrap-port",
+        type=int,
+        default=DEFAULT_BOOTSTRAP_PORT,
+        help=f"prefill: port of the node's own bootstrap server (default {DEFAULT_BOOTSTRAP_PORT})",
+    )
+    p.add_argument("--engine-id", default="", help="the engine id (default: a random one)")
+    p.add_argument("--profile", choices=(LEGACY, PDWIRE_2), default=PDWIRE_2)
+    p.add_argument("--model", default="pdwire-synthetic", help="the served model name")
+    geometry = p.add_argument_group("KV geometry (default: Qwen3-8B)")
+    geometry.add_argument("--layers", type=int, default=36)
+    geometry.add_argument("--kv-heads", type=int, default=8)
+    geometry.add_argument("--head-dim", type=int, default=128)
+    geometry.add_argument("--block-size", type=int, default=16)
+    geometry.add_argument("--num-blocks", type=int, default=512, help="blocks per worker pool")
+    geometry.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    geometry.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--load-failure-policy", choices=("fail", "recompute"), default="fail")
+    p.add_argument(
+        "--load-timeout", type=float, default=120.0, help="decode: seconds to wait for P's KV"
+    )
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the node failed, 2 on bad usage."""
+    from .kv_content import KVShape
+    from .node import NodeConfig, NodeServer, Policy
+    from .node_worker import Role, WorkerError
+
+    role: Role = "prefill" if args.role == "prefill" else "decode"
+    policy: Policy = "recompute" if args.load_failure_policy == "recompute" else "fail"
+    try:
+        shape = KVShape(
+            num_layers=args.layers,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            vocab=args.vocab,
+            num_blocks=args.num_blocks,
+        )
+        config = NodeConfig(
+            role=role,
+            shape=shape,
+            tp_size=args.tp,
+            pp_size=args.pp,
+            host=args.host,
+            bootstrap_url=args.bootstrap,
+            bootstrap_port=args.bootstrap_port,
+            engine_id=args.engine_id,
+            profile=LEGACY if args.profile == LEGACY else PDWIRE_2,
+            load_failure_policy=policy,
+            model=args.model,
+            load_timeout=args.load_timeout,
+        )
+        server = NodeServer(config)
+        server.start(port=args.port)
+    except (OSError, ValueError) as exc:
+        print(f"pdwire node: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (RuntimeError, TimeoutError, WorkerError) as exc:
+        print(f"pdwire node: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return _serve(server)
+
+
+def _serve(server: NodeServer) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    engine = server.engine
+    extra = f", bootstrap {engine.bootstrap_url}" if server.config.role == "prefill" else ""
+    print(
+        f"{server.config.role} node {engine.engine_id} at {server.url}{extra}",
+        flush=True,
+    )
+    try:
+        while not stop.wait(_POLL_S):
+            if not server.alive:
+                print("pdwire node: a worker or the server exited", file=sys.stderr)
+                return EXIT_FAILED
+        return EXIT_OK
+    finally:
+        server.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand alone: ``python -m reference_connector.cli_node``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="pdwire")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["node", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""A node worker's KV cache and the node's block allocator.
+
+``KVPool`` is one contiguous tensor per worker, [its layers, K/V, blocks, its heads, block_size,
+head_dim]: for each layer, K then V, each an LBHNC region of ``num_blocks`` blocks, as
+``Geometry.side`` lays them out. ``register`` hands the tensor to the transfer engine and returns
+the worker's ``Side`` with the regions' real base addresses. Block ids are the node's: every
+worker of a node holds the same block ids for a request (vLLM's scheduler allocates them once),
+so the allocator lives in the node's front process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from pdwire.planning import Side
+
+from .kv_content import ContextDigest, KVShape, Words, block_runs, kv_blocks, kv_values
+from .transport import MooncakeTransport
+
+
+class KVPool:
+    """The KV blocks of worker (tp_rank, pp_rank)."""
+
+    def __init__(self, shape: KVShape, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int):
+        shape.check_split(tp_size, pp_size)
+        self.shape = shape
+        self.tp_size, self.tp_rank, self.pp_size, self.pp_rank = tp_size, tp_rank, pp_size, pp_rank
+        self.layers = shape.layers(pp_size, pp_rank)
+        self.heads = shape.heads(tp_size, tp_rank)
+        dims = (len(self.layers), 2, shape.num_blocks, len(self.heads))
+        self.kv = torch.zeros((*dims, shape.block_size, shape.head_dim), dtype=shape.torch_dtype)
+        self._words = self.kv.view(torch.int16)
+        self.words: Words = self._words.numpy()
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def side(self, base: int) -> Side:
+        """This worker's ``Side`` with its regions inside the tensor registered at ``base``."""
+        s = self.shape.geometry().side(self.tp_size, self.tp_rank, self.pp_size, self.pp_rank, 0)
+        origin = s.regions[0].base_addr
+        regions = tuple(
+            dataclasses.replace(r, base_addr=base + r.base_addr - origin) for r in s.regions
+        )
+        return dataclasses.replace(s, regions=regions)
+
+    def register(self, transport: MooncakeTransport) -> Side:
+        return self.side(transport.register(self.kv))
+
+    # -- content -----------------------------------------------------------------------------
+
+    def expected(self, ids: Sequence[int]) -> torch.Tensor:
+        """The int16 patterns this worker's blocks hold after prompt ``ids``."""
+        return kv_blocks(self.shape, ids, self.layers, self.heads)
+
+    def write_prompt(self, ids: Sequence[int], blocks: Sequence[int]) -> int:
+        """Compute the prompt's KV slice into ``blocks``; return the bytes written."""
+        values = self.expected(ids)
+        for i, first, count in block_runs(blocks[: values.shape[2]]):
+            self._words[:, :, first : first + count].copy_(values[:, :, i : i + count])
+        return values.numel() * 2
+
+    def zero(self, blocks: Sequence[int]) -> None:
+        for _, first, count in block_runs(blocks):
+            self._words[:, :, first : first + count].zero_()
+
+    def verify(self, ids: Sequence[int], blocks: Sequence[int]) -> tuple[bool, int]:
+        """Whether ``blocks`` hold exactly the prompt's KV slice, and the bytes compared."""
+        values = self.expected(ids)
+        ok = all(
+            torch.equal(self._words[:, :, first : first + count], values[:, :, i : i + count])
+            for i, first, count in block_runs(blocks[: values.shape[2]])
+        )
+        return ok, values.numel() * 2
+
+    def append(self, token: int, position: int, blocks: Sequence[int]) -> None:
+        """Write the KV slice of ``token`` at ``position`` (decoded here)."""
+        bs = self.shape.block_size
+        values = kv_values(self.shape, [token], [position], self.layers, self.heads)
+        self._words[:, :, blocks[position // bs], :, position % bs, :] = values[:, :, :, 0, :]
+
+    def new_digest(self) -> ContextDigest:
+        return ContextDigest(len(self.layers), len(self.heads))
+
+
+class OutOfBlocks(RuntimeError):
+    """The request needs more blocks than the pool has at all."""
+
+
+class BlockAllocator:
+    """Thread-safe allocator of a node's block ids, lowest ids first (fewer descriptors)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks))
+        self._used: set[int] = set()
+        self._lock = threading.Lock()
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` block ids, or None when fewer are free now. Raises ``OutOfBlocks`` when the
+        pool could never hold ``n``."""
+        if n > self.num_blocks:
+            raise OutOfBlocks(f"{n} blocks asked for; the pool has {self.num_blocks}")
+        with self._lock:
+            if n > len(self._free):
+                return None
+            blocks = [heapq.heappop(self._free) for _ in range(n)]
+            self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        with self._lock:
+            stray = [b for b in blocks if b not in self._used]
+            if stray:
+                raise ValueError(f"blocks {stray} are not allocated")
+            for b in blocks:
+                self._used.discard(b)
+                heapq.heappush(self._free, b)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return len(self._used)

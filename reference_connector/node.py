@@ -1,0 +1,796 @@
+"""The model-free engine node: vLLM's OpenAI HTTP surface and MooncakeConnector's handling of
+``kv_transfer_params`` (spec §5), over worker processes that hold real KV pools and agents.
+
+The front process (this module) tokenizes, allocates block ids, drives the workers and decodes
+with the tokens the workers' KV digests give (``kv_content``):
+
+- prefill node, ``{do_remote_decode: true, transfer_id}``: each worker announces the transfer,
+  computes its KV slice into the blocks, then finishes it (or, when the one token generated is
+  the stop token, says it will not send). The answer is that token with
+  ``kv_transfer_params: null``; the blocks are freed when every worker's agent frees them.
+- decode node, ``{do_remote_prefill: true, remote_bootstrap_addr, remote_engine_id,
+  transfer_id}``: each worker loads its slice from P, then checks it byte for byte against the
+  prompt's KV; then it decodes. A failed load follows the load-failure policy.
+- no ``kv_transfer_params``: local prefill and decode, the reference text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final, Literal, Self
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from pdwire.versions import PDWIRE_2, Profile
+
+from .bootstrap import BootstrapServer
+from .http_server import AppServer
+from .kv_content import (
+    EOS,
+    KVShape,
+    assemble,
+    chat_prompt,
+    next_token,
+    place,
+    render,
+    tokenize,
+)
+from .kv_pool import BlockAllocator, OutOfBlocks
+from .node_worker import Role, WorkerError, WorkerHandle, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["fail", "recompute"]
+DEFAULT_BOOTSTRAP_PORT: Final = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default
+_ALLOC_POLL_S: Final = 0.005
+_SETTLE_S: Final = 10.0  # how long a failed load's blocks may take to be released
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeConfig:
+    role: Role
+    shape: KVShape = dataclasses.field(default_factory=KVShape)
+    tp_size: int = 1
+    pp_size: int = 1
+    host: str = "127.0.0.1"
+    bootstrap_url: str | None = None  # prefill: where workers register (None: serve one here)
+    bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # ... on this port (0: any free one)
+    engine_id: str = ""  # "" = a random one
+    profile: Profile = PDWIRE_2
+    load_failure_policy: Policy = "fail"
+    model: str = "pdwire-synthetic"
+    load_timeout: float = 120.0  # decode: the longest wait for P's KV
+    call_timeout: float = 120.0  # any one command to a worker
+    alloc_timeout: float = 30.0  # the longest wait for free blocks
+    start_timeout: float = 120.0
+
+
+class NodeError(Exception):
+    """A request the node answers with an HTTP error."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+@dataclasses.dataclass
+class Job:
+    req: str  # unique inside the node
+    ids: list[int]
+    max_tokens: int
+    params: dict[str, Any] | None
+
+
+@dataclasses.dataclass
+class Generation:
+    """A request's outcome; ``tokens`` yields the decoded tokens (once)."""
+
+    prompt_tokens: int
+    tokens: AsyncIterator[int]
+    finish: str = "length"
+    kv_transfer_params: dict[str, Any] | None = None
+    pdwire: dict[str, Any] = dataclasses.field(default_factory=dict)
+    cleanup: Callable[[], None] = lambda: None
+
+
+@dataclasses.dataclass
+class _Send:
+    """A P request whose blocks wait for every worker's agent to free them."""
+
+    blocks: list[int]
+    pending: set[int]
+    rejected: tuple[str, str] | None = None
+
+
+@dataclasses.dataclass
+class _Load:
+    """A D request's per-worker outcomes: ("loaded",) or ("failed", code, reason, free)."""
+
+    outcome: list[asyncio.Future[tuple[Any, ...]]]
+    released: list[asyncio.Future[None]]
+    loop: asyncio.AbstractEventLoop
+    parked: bool = False  # failed with writes maybe in flight: blocks freed on release
+
+
+def _ms(since: float) -> float:
+    return round((time.perf_counter() - since) * 1000, 3)
+
+
+def _set(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class NodeEngine:
+    """The front of a node: its workers, block allocator and request flow."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        config.shape.check_split(config.tp_size, config.pp_size)
+        self.config = config
+        self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.allocator = BlockAllocator(config.shape.num_blocks)
+        self.bootstrap_url = config.bootstrap_url or ""
+        self.workers: list[WorkerHandle] = []
+        self._bootstrap: BootstrapServer | None = None
+        self._lock = threading.Lock()
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+        self._ids = 0
+        self.counts: dict[str, int] = dict.fromkeys(
+            ("total", "active", "ok", "errors", "remote", "verified", "recomputed", "failed"), 0
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        c = self.config
+        if c.role == "prefill" and not self.bootstrap_url:
+            self._bootstrap = BootstrapServer().start(c.host, c.bootstrap_port)
+            self.bootstrap_url = self._bootstrap.url
+        level = logging.getLogger().getEffectiveLevel()
+        for pp in range(c.pp_size):
+            for tp in range(c.tp_size):
+                spec = WorkerSpec(
+                    role=c.role,
+                    shape=c.shape,
+                    tp_size=c.tp_size,
+                    tp_rank=tp,
+                    pp_size=c.pp_size,
+                    pp_rank=pp,
+                    engine_id=self.engine_id,
+                    bootstrap_url=self.bootstrap_url,
+                    host=c.host,
+                    profile=c.profile,
+                    model=c.model,
+                    start_timeout=c.start_timeout,
+                    log_level=level,
+                )
+                self.workers.append(WorkerHandle(spec, len(self.workers), self._on_event))
+        try:
+            for worker in self.workers:
+                worker.start()
+            deadline = time.monotonic() + c.start_timeout
+            for worker in self.workers:
+                worker.wait_ready(max(0.1, deadline - time.monotonic()))
+        except BaseException:
+            self.stop()
+            raise
+        logger.info(
+            "%s node %s: %d workers up (TP %d, PP %d)",
+            c.role,
+            self.engine_id,
+            len(self.workers),
+            c.tp_size,
+            c.pp_size,
+        )
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        if self._bootstrap is not None:
+            self._bootstrap.stop()
+
+    def healthy(self) -> bool:
+        up = bool(self.workers) and all(w.alive for w in self.workers)
+        return up and (self._bootstrap is None or self._bootstrap.alive)
+
+    async def stats(self) -> dict[str, Any]:
+        c = self.config
+
+        async def one(w: WorkerHandle) -> dict[str, Any]:
+            try:
+                result: dict[str, Any] = await w.acall("stats", timeout=5.0)
+                return {**result, "alive": w.alive}
+            except WorkerError as exc:
+                return {"name": w.spec.name, "alive": False, "error": str(exc)}
+
+        with self._lock:
+            held = len(self._sends)
+        return {
+            "role": c.role,
+            "engine_id": self.engine_id,
+            "bootstrap_url": self.bootstrap_url,
+            "tp_size": c.tp_size,
+            "pp_size": c.pp_size,
+            "blocks_total": self.allocator.num_blocks,
+            "blocks_in_use": self.allocator.in_use,
+            "transfers_held": held,
+            "requests": dict(self.counts),
+            "workers": list(await asyncio.gather(*(one(w) for w in self.workers))),
+        }
+
+    # -- events from the workers (reader threads) --------------------------------------------
+
+    def _on_event(self, index: int, name: str, args: tuple[Any, ...]) -> None:
+        req = args[0]
+        if name in ("free", "reject"):
+            self._on_send_event(index, name, req, args)
+            return
+        with self._lock:
+            load = self._loads.get(req)
+        if load is None:
+            logger.warning("event %s for unknown request %s", name, req)
+            return
+        if name == "loaded":
+            load.loop.call_soon_threadsafe(_set, load.outcome[index], ("loaded",))
+        elif name == "failed":
+            load.loop.call_soon_threadsafe(_set, load.outcome[index], ("failed", *args[1:]))
+        elif name == "released":
+            load.loop.call_soon_threadsafe(_set, load.released[index], None)
+
+    def _on_send_event(self, index: int, name: str, req: str, args: tuple[Any, ...]) -> None:
+        with self._lock:
+            send = self._sends.get(req)
+            if send is None:
+                logger.warning("event %s for unknown P request %s", name, req)
+                return
+            if name == "reject":
+                send.rejected = (args[1], args[2])
+                return
+            send.pending.discard(index)
+            if send.pending:
+                return
+            del self._sends[req]
+        logger.debug("P request %s freed (%s)", req, args[1])
+        self.allocator.free(send.blocks)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def new_request_id(self, base: str) -> str:
+        with self._lock:
+            self._ids += 1
+            return f"{base}-{self._ids}"
+
+    async def _all(self, op: str, *args: Any) -> list[Any]:
+        timeout = self.config.call_timeout
+        return list(
+            await asyncio.gather(*(w.acall(op, *args, timeout=timeout) for w in self.workers))
+        )
+
+    def _table(self, parts: list[bytes]) -> Any:
+        table = assemble(self.config.shape)
+        for worker, part in zip(self.workers, parts, strict=True):
+            s = worker.spec
+            place(
+                table,
+                part,
+                s.shape.layers(s.pp_size, s.pp_rank),
+                s.shape.heads(s.tp_size, s.tp_rank),
+            )
+        return table
+
+    async def _allocate(self, n: int) -> list[int]:
+        deadline = time.monotonic() + self.config.alloc_timeout
+        while True:
+            try:
+                blocks = self.allocator.allocate(n)
+            except OutOfBlocks as exc:
+                raise NodeError(400, f"the request is too long for this node: {exc}") from None
+            if blocks is not None:
+                return blocks
+            if time.monotonic() >= deadline:
+                raise NodeError(
+                    503,
+                    f"no {n} free blocks within {self.config.alloc_timeout}s",
+                    "ServiceUnavailableError",
+                )
+            await asyncio.sleep(_ALLOC_POLL_S)
+
+    def _release(self, req: str, blocks: list[int], done: list[bool]) -> None:
+        if done[0]:
+            return
+        done[0] = True
+        self.allocator.free(blocks)
+        for worker in self.workers:
+            worker.call("free", req)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def generate(self, job: Job) -> Generation:
+        """Run ``job`` as its kv_transfer_params say; the tokens come from ``tokens``."""
+        if not job.ids:
+            raise NodeError(400, "the prompt is empty")
+        if job.max_tokens < 1:
+            raise NodeError(400, f"max_tokens must be at least 1, got {job.max_tokens}")
+        self.counts["total"] += 1
+        p, role = job.params or {}, self.config.role
+        if role == "prefill" and p.get("do_remote_decode"):
+            if p.get("transfer_id"):
+                return await self._prefill_remote(job, str(p["transfer_id"]))
+            logger.warning("Missing transfer_id in kv_transfer_params from router!")
+        elif role == "decode" and p.get("do_remote_prefill"):
+            keys = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
+            if all(p.get(k) for k in keys):
+                return await self._decode_remote(job, p)
+            logger.warning(
+                "Got invalid KVTransferParams: %s. This request will not utilize KVTransfer", p
+            )
+        return await self._local(job)
+
+    async def _local(self, job: Job) -> Generation:
+        t0 = time.perf_counter()
+        blocks = await self._allocate(self.config.shape.blocks_for(len(job.ids) + job.max_tokens))
+        timings = {"queue": _ms(t0)}
+        done = [False]
+        try:
+            t1 = time.perf_counter()
+            table = self._table(await self._all("prefill", job.req, job.ids, blocks, None, True))
+            timings["prefill"] = _ms(t1)
+        except BaseException:
+            self._release(job.req, blocks, done)
+            raise
+        return self._decoding(job, blocks, table, timings, done, None, {})
+
+    def _decoding(
+        self,
+        job: Job,
+        blocks: list[int],
+        table: Any,
+        timings: dict[str, float],
+        done: list[bool],
+        params: dict[str, Any] | None,
+        extra: dict[str, Any],
+    ) -> Generation:
+        gen = Generation(len(job.ids), _empty(), kv_transfer_params=params)
+        gen.pdwire = {**extra, "timings_ms": timings}
+        gen.cleanup = lambda: self._release(job.req, blocks, done)
+        gen.tokens = self._tokens(job, blocks, table, gen, timings)
+        return gen
+
+    async def _tokens(
+        self, job: Job, blocks: list[int], table: Any, gen: Generation, timings: dict[str, float]
+    ) -> AsyncIterator[int]:
+        t0 = time.perf_counter()
+        length, vocab = len(job.ids), self.config.shape.vocab
+        self.counts["active"] += 1
+        try:
+            for i in range(job.max_tokens):
+                token = next_token(table, length, vocab)
+                if token == EOS:
+                    gen.finish = "stop"
+                    return
+                yield token
+                if i + 1 < job.max_tokens:
+                    table = self._table(await self._all("append", job.req, token, length, blocks))
+                    length += 1
+            gen.finish = "length"
+        finally:
+            timings["decode"] = _ms(t0)
+            self.counts["active"] -= 1
+            gen.cleanup()
+
+    # -- prefill node: send ------------------------------------------------------------------
+
+    async def _prefill_remote(self, job: Job, transfer_id: str) -> Generation:
+        t0 = time.perf_counter()
+        blocks = await self._allocate(self.config.shape.blocks_for(len(job.ids)))
+        timings = {"queue": _ms(t0)}
+        send = _Send(blocks, set(range(len(self.workers))))
+        with self._lock:
+            self._sends[job.req] = send
+        t1 = time.perf_counter()
+        try:
+            table = self._table(
+                await self._all("prefill", job.req, job.ids, blocks, transfer_id, False)
+            )
+        except BaseException:
+            # Every agent that saw transfer_started frees the blocks on will-not-send.
+            await asyncio.gather(
+                *(
+                    w.acall("finish", job.req, transfer_id, blocks, False, timeout=5.0)
+                    for w in self.workers
+                ),
+                return_exceptions=True,
+            )
+            raise
+        timings["prefill"] = _ms(t1)
+        token = next_token(table, len(job.ids), self.config.shape.vocab)
+        with self._lock:
+            rejected = send.rejected
+            if rejected is not None:
+                self._sends.pop(job.req, None)
+        if rejected is not None:
+            self.allocator.free(blocks)
+            raise NodeError(400, f"{rejected[0]}: {rejected[1]}")
+        await self._all("finish", job.req, transfer_id, blocks, token != EOS)
+        self.counts["remote"] += 1
+        out = [] if token == EOS else [token]
+        gen = Generation(len(job.ids), _iterate(out), finish="stop" if token == EOS else "length")
+        gen.pdwire = {"sent": token != EOS, "timings_ms": timings}
+        return gen
+
+    # -- decode node: load -------------------------------------------------------------------
+
+    async def _decode_remote(self, job: Job, p: dict[str, Any]) -> Generation:
+        t0 = time.perf_counter()
+        shape = self.config.shape
+        blocks = await self._allocate(shape.blocks_for(len(job.ids) + job.max_tokens))
+        timings = {"queue": _ms(t0)}
+        prompt_blocks = blocks[: shape.blocks_for(len(job.ids))]
+        loop = asyncio.get_running_loop()
+        n = len(self.workers)
+        load = _Load(
+            [loop.create_future() for _ in range(n)], [loop.create_future() for _ in range(n)], loop
+        )
+        with self._lock:
+            self._loads[job.req] = load
+        done = [False]
+        self.counts["remote"] += 1
+        try:
+            failure, verified, nbytes, table = await self._load(
+                job, p, prompt_blocks, load, timings
+            )
+            recomputed = False
+            if failure is not None:
+                self.counts["failed"] += 1
+                if not await self._settled(job.req, load, blocks):
+                    done[0] = True  # a write may still land: the blocks are parked
+                if self.config.load_failure_policy == "fail" or done[0]:
+                    raise NodeError(500, f"KV load failed: {failure}", "InternalServerError")
+                t1 = time.perf_counter()
+                table = self._table(
+                    await self._all("prefill", job.req, job.ids, blocks, None, True)
+                )
+                timings["recompute"] = _ms(t1)
+                recomputed = True
+                self.counts["recomputed"] += 1
+            else:
+                self.counts["verified"] += 1
+        except BaseException:
+            self._release(job.req, blocks, done)
+            raise
+        finally:
+            if not load.parked:
+                with self._lock:
+                    self._loads.pop(job.req, None)
+        params = {"remote_prefill_cached_tokens": 0 if recomputed else len(job.ids)}
+        extra: dict[str, Any] = {
+            "verified": verified,
+            "bytes_verified": nbytes,
+            "recomputed": recomputed,
+        }
+        if failure is not None:
+            extra["failure"] = failure
+        return self._decoding(job, blocks, table, timings, done, params, extra)
+
+    async def _load(
+        self,
+        job: Job,
+        p: dict[str, Any],
+        blocks: list[int],
+        load: _Load,
+        timings: dict[str, float],
+    ) -> tuple[str | None, bool, int, Any]:
+        """Load and verify; return (failure, verified, bytes verified, digest table)."""
+        t0 = time.perf_counter()
+        engine_id, addr = str(p["remote_engine_id"]), str(p["remote_bootstrap_addr"])
+        await self._all("load", job.req, str(p["transfer_id"]), engine_id, addr, blocks)
+        timeout = self.config.load_timeout
+        if isinstance(p.get("deadline_ms"), int) and p["deadline_ms"] > 0:
+            timeout = min(timeout, p["deadline_ms"] / 1000)
+        outcomes = await self._outcomes(job.req, load, timeout)
+        timings["load"] = _ms(t0)
+        failures = [o for o in outcomes if o[0] != "loaded"]
+        if failures:
+            return "; ".join(sorted({f"{o[1]}: {o[2]}" for o in failures})), False, 0, None
+        t1 = time.perf_counter()
+        results = await self._all("verify", job.req, job.ids, blocks)
+        timings["verify"] = _ms(t1)
+        verified = all(ok for ok, _, _ in results)
+        nbytes = sum(b for _, b, _ in results)
+        if not verified:
+            bad = [w.spec.name for w, r in zip(self.workers, results, strict=True) if not r[0]]
+            return f"KV bytes differ from the prompt's on {bad}", False, nbytes, None
+        return None, True, nbytes, self._table([d for _, _, d in results])
+
+    async def _outcomes(self, req: str, load: _Load, timeout: float) -> list[tuple[Any, ...]]:
+        waits = asyncio.gather(*(asyncio.shield(f) for f in load.outcome))
+        try:
+            return list(await asyncio.wait_for(waits, timeout))
+        except TimeoutError:
+            logger.warning("request %s: no KV within %.1fs: aborting the load", req, timeout)
+        await asyncio.gather(
+            *(w.acall("abort", req, timeout=5.0) for w in self.workers), return_exceptions=True
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(asyncio.shield(f) for f in load.outcome)), _SETTLE_S
+            )
+        return [
+            f.result() if f.done() else ("failed", "TIMEOUT", f"no KV within {timeout}s", False)
+            for f in load.outcome
+        ]
+
+    async def _settled(self, req: str, load: _Load, blocks: list[int]) -> bool:
+        """Wait until no write can land in the blocks of a failed load. When that takes too
+        long, park the blocks (False): they are freed once every worker has released them."""
+        waits = [
+            load.released[i]
+            for i, f in enumerate(load.outcome)
+            if not f.done() or (f.result()[0] == "failed" and not f.result()[3])
+        ]
+        if not waits:
+            return True
+        together = asyncio.gather(*waits)
+        try:
+            await asyncio.wait_for(asyncio.shield(together), _SETTLE_S)
+            return True
+        except TimeoutError:
+            logger.error("request %s: blocks not released within %ss: parked", req, _SETTLE_S)
+        load.parked = True
+        together.add_done_callback(lambda _: self._unpark(req, blocks))
+        return False
+
+    def _unpark(self, req: str, blocks: list[int]) -> None:
+        with self._lock:
+            self._loads.pop(req, None)
+        self.allocator.free(blocks)
+        logger.info("request %s: parked blocks released", req)
+
+
+async def _empty() -> AsyncIterator[int]:
+    return
+    yield  # pragma: no cover
+
+
+async def _iterate(tokens: list[int]) -> AsyncIterator[int]:
+    for token in tokens:
+        yield token
+
+
+# -- HTTP ------------------------------------------------------------------------------------
+
+
+def _error(exc: NodeError) -> JSONResponse:
+    body = {
+        "object": "error",
+        "message": exc.message,
+        "type": exc.kind,
+        "param": None,
+        "code": exc.status,
+    }
+    return JSONResponse(body, status_code=exc.status)
+
+
+def _prompt_ids(body: dict[str, Any], vocab: int, chat: bool) -> list[int]:
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise NodeError(400, "messages must be a list of objects")
+        return tokenize(chat_prompt(messages), vocab)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenize(prompt, vocab)
+    if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+        return list(prompt)
+    raise NodeError(400, "prompt must be a string or a list of token ids")
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    value = body.get("max_tokens")
+    if value is None:
+        value = body.get("max_completion_tokens", 16)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise NodeError(400, f"max_tokens must be an integer, got {value!r}")
+    return value
+
+
+class _Reply:
+    """vLLM-shaped bodies of one completion (text or chat)."""
+
+    def __init__(self, rid: str, model: str, chat: bool) -> None:
+        self.rid, self.model, self.chat = rid, model, chat
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _head(self, object_: str) -> dict[str, Any]:
+        prefix = "chatcmpl" if self.chat else "cmpl"
+        return {
+            "id": f"{prefix}-{self.rid}",
+            "object": object_,
+            "created": self.created,
+            "model": self.model,
+        }
+
+    def _choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+        if not self.chat:
+            return {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
+        key = "delta" if delta else "message"
+        return {
+            "index": 0,
+            key: {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+
+    def _tail(self, gen: Generation, count: int) -> dict[str, Any]:
+        tail: dict[str, Any] = {
+            "usage": {
+                "prompt_tokens": gen.prompt_tokens,
+                "completion_tokens": count,
+                "total_tokens": gen.prompt_tokens + count,
+            },
+            "kv_transfer_params": gen.kv_transfer_params,
+        }
+        if gen.pdwire:
+            tail["pdwire"] = gen.pdwire
+        return tail
+
+    def whole(self, gen: Generation, tokens: list[int]) -> dict[str, Any]:
+        text = render(tokens)
+        return {
+            **self._head(self.object),
+            "choices": [self._choice(text, gen.finish, False)],
+            **self._tail(gen, len(tokens)),
+        }
+
+    async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
+        chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+        count = 0
+        try:
+            async for token in gen.tokens:
+                text = ("" if count == 0 else " ") + render([token])
+                count += 1
+                body = {**self._head(chunk_object), "choices": [self._choice(text, None, True)]}
+                yield f"data: {json.dumps(body)}\n\n".encode()
+            last = {
+                **self._head(chunk_object),
+                "choices": [self._choice("", gen.finish, True)],
+                **self._tail(gen, count),
+            }
+            yield f"data: {json.dumps(last)}\n\n".encode()
+        except (NodeError, WorkerError) as exc:
+            logger.error("request %s failed while streaming: %s", self.rid, exc)
+            error = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+        finally:
+            gen.cleanup()
+        yield b"data: [DONE]\n\n"
+
+
+def create_app(engine: NodeEngine) -> FastAPI:
+    """The node's OpenAI-compatible routes, plus ``GET /pdwire/stats``."""
+    app = FastAPI(title=f"pdwire {engine.config.role} node")
+    model = engine.config.model
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy():
+            return Response(status_code=200)
+        return JSONResponse({"status": "starting or degraded"}, status_code=503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pdwire",
+            "root": model,
+            "max_model_len": engine.config.shape.num_blocks * engine.config.shape.block_size,
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/pdwire/stats")
+    async def stats() -> dict[str, Any]:
+        return await engine.stats()
+
+    async def complete(request: Request, chat: bool) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(NodeError(400, "the body is not JSON"))
+        if not isinstance(body, dict):
+            return _error(NodeError(400, "the body is not a JSON object"))
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        reply = _Reply(rid, str(body.get("model") or model), chat)
+        try:
+            params = body.get("kv_transfer_params")
+            job = Job(
+                engine.new_request_id(rid),
+                _prompt_ids(body, engine.config.shape.vocab, chat),
+                _max_tokens(body),
+                params if isinstance(params, dict) else None,
+            )
+            gen = await engine.generate(job)
+        except NodeError as exc:
+            engine.counts["errors"] += 1
+            return _error(exc)
+        except WorkerError as exc:
+            engine.counts["errors"] += 1
+            return _error(NodeError(500, str(exc), "InternalServerError"))
+        if body.get("stream"):
+            return StreamingResponse(
+                reply.stream(gen),
+                media_type="text/event-stream",
+                background=BackgroundTask(gen.cleanup),
+            )
+        try:
+            tokens = [t async for t in gen.tokens]
+        except WorkerError as exc:
+            engine.counts["errors"] += 1
+            return _error(NodeError(500, str(exc), "InternalServerError"))
+        finally:
+            gen.cleanup()
+        engine.counts["ok"] += 1
+        return JSONResponse(reply.whole(gen, tokens))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    return app
+
+
+class NodeServer(AppServer):
+    """A node: its workers, and ``create_app`` served by uvicorn in a daemon thread."""
+
+    name = "node"
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.engine = NodeEngine(config)
+        super().__init__(create_app(self.engine))
+
+    def start(self, host: str | None = None, port: int = 0, timeout: float = 30.0) -> Self:
+        """Start the workers, then serve; wait until it serves."""
+        self.engine.start()
+        try:
+            super().start(host or self.config.host, port, timeout)
+        except BaseException:
+            self.engine.stop()
+            raise
+        logger.info("%s node %s serving at %s", self.config.role, self.engine.engine_id, self.url)
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return super().alive and self.engine.healthy()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving HTTP, then stop every worker."""
+        super().stop(timeout)
+        self.engine.stop()
