@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import sys
-import threading
 from pathlib import Path
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
+
+from .cli_common import EXIT_USAGE, serve, standalone
 
 if TYPE_CHECKING:  # the server (FastAPI, uvicorn) loads only when the command runs
     from .bootstrap import BootstrapServer
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_PORT = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default (4.4-R14)
-_POLL_S = 0.5
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -61,48 +57,22 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the server died, 2 on bad usage."""
     try:
         key = _read_key(args.auth_key_file) if args.auth_key_file else None
-        version = WIRE_VERSION["legacy"] if args.legacy else CURRENT_VERSION
-        from .bootstrap import BootstrapServer
-
-        server = BootstrapServer(auth_key=key, server_version=version)
-        server.start(args.host, args.port)
     except (OSError, ValueError) as exc:
         print(f"pdwire bootstrap: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"pdwire bootstrap: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return _serve(server, legacy=args.legacy, signed=key is not None)
+    mode = "legacy" if args.legacy else "pdwire/2" + (", signed registrations" if key else "")
 
+    def start() -> BootstrapServer:
+        from .bootstrap import BootstrapServer
 
-def _serve(server: BootstrapServer, *, legacy: bool, signed: bool) -> int:
-    stop = threading.Event()
+        version = WIRE_VERSION["legacy"] if args.legacy else CURRENT_VERSION
+        return BootstrapServer(auth_key=key, server_version=version).start(args.host, args.port)
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    mode = "legacy" if legacy else "pdwire/2" + (", signed registrations" if signed else "")
-    print(f"bootstrap server ({mode}) at {server.url}", flush=True)
-    try:
-        while not stop.wait(_POLL_S):
-            if not server.alive:
-                print("pdwire bootstrap: the server thread exited", file=sys.stderr)
-                return EXIT_FAILED
-        return EXIT_OK
-    finally:
-        server.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return serve("bootstrap", start, lambda server: f"bootstrap server ({mode}) at {server.url}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the subcommand alone: ``python -m reference_connector.cli_bootstrap``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="pdwire")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bootstrap", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
+    return standalone("bootstrap", add_parser, argv)
 
 
 if __name__ == "__main__":

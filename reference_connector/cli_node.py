@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import logging
-import signal
 import sys
-import threading
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from pdwire.versions import LEGACY, PDWIRE_2
+
+from .cli_common import serve, standalone
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
     from .node import NodeServer
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_PORT = 8000
 DEFAULT_BOOTSTRAP_PORT = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default
-_POLL_S = 0.5
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -76,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     role: Role = "prefill" if args.role == "prefill" else "decode"
     policy: Policy = "recompute" if args.load_failure_policy == "recompute" else "fail"
-    try:
+
+    def start() -> NodeServer:
         shape = KVShape(
             num_layers=args.layers,
             num_kv_heads=args.kv_heads,
@@ -100,49 +97,18 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             load_timeout=args.load_timeout,
         )
-        server = NodeServer(config)
-        server.start(port=args.port)
-    except (OSError, ValueError) as exc:
-        print(f"pdwire node: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (RuntimeError, TimeoutError, WorkerError) as exc:
-        print(f"pdwire node: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return _serve(server)
+        return NodeServer(config).start(port=args.port)
 
+    def banner(server: NodeServer) -> str:
+        engine = server.engine
+        extra = f", bootstrap {engine.bootstrap_url}" if server.config.role == "prefill" else ""
+        return f"{server.config.role} node {engine.engine_id} at {server.url}{extra}"
 
-def _serve(server: NodeServer) -> int:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    engine = server.engine
-    extra = f", bootstrap {engine.bootstrap_url}" if server.config.role == "prefill" else ""
-    print(
-        f"{server.config.role} node {engine.engine_id} at {server.url}{extra}",
-        flush=True,
-    )
-    try:
-        while not stop.wait(_POLL_S):
-            if not server.alive:
-                print("pdwire node: a worker or the server exited", file=sys.stderr)
-                return EXIT_FAILED
-        return EXIT_OK
-    finally:
-        server.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return serve("node", start, banner, (RuntimeError, TimeoutError, WorkerError))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the subcommand alone: ``python -m reference_connector.cli_node``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="pdwire")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["node", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
+    return standalone("node", add_parser, argv)
 
 
 if __name__ == "__main__":

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
 import sys
-import threading
-from types import FrameType
 from typing import TYPE_CHECKING, Any
+
+from .cli_common import serve, standalone
 
 if TYPE_CHECKING:  # the server (FastAPI, uvicorn, httpx) loads only when the command runs
     from .proxy import ProxyServer
 
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 DEFAULT_PORT = 8000  # vLLM's example proxy's
 PROFILES = ("legacy", "pdwire/2")
-_POLL_S = 0.5
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -83,7 +79,8 @@ def _api_key(name: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the server died, 2 on bad usage."""
-    try:
+
+    def start() -> ProxyServer:
         from .proxy import ProxyServer, parse_prefill
 
         prefills = [parse_prefill(spec) for spec in args.prefill]
@@ -94,43 +91,13 @@ def run(args: argparse.Namespace) -> int:
             api_key=_api_key(args.api_key_env),
             client_timeout=args.timeout,
         )
-        server.start(args.host, args.port)
-    except (OSError, ValueError) as exc:
-        print(f"pdwire proxy: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"pdwire proxy: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    return _serve(server)
+        return server.start(args.host, args.port)
 
-
-def _serve(server: ProxyServer) -> int:
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(f"proxy ({server.proxy.profile}) at {server.url}", flush=True)
-    try:
-        while not stop.wait(_POLL_S):
-            if not server.alive:
-                print("pdwire proxy: the server thread exited", file=sys.stderr)
-                return EXIT_FAILED
-        return EXIT_OK
-    finally:
-        server.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return serve("proxy", start, lambda server: f"proxy ({server.proxy.profile}) at {server.url}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the subcommand alone: ``python -m reference_connector.cli_proxy``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    parser = argparse.ArgumentParser(prog="pdwire")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["proxy", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
+    return standalone("proxy", add_parser, argv)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdwire.http_models import RegisterWorkerPayload
-from reference_connector import cli_proxy
+from reference_connector import cli_common
 from reference_connector.bootstrap import BootstrapServer
 from reference_connector.proxy import Prefill, ProxyServer, bootstrap_url, parse_prefill
 
@@ -515,7 +515,7 @@ def _serve_then_interrupt(proc: subprocess.Popen[str]) -> None:
         assert health.status_code == 503
         assert "waiting for prefill http://127.0.0.1:9" in health.json()["reason"]
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(WAIT) == cli_proxy.EXIT_OK
+        assert proc.wait(WAIT) == cli_common.EXIT_OK
     finally:
         if proc.poll() is None:
             proc.kill()

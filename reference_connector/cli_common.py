@@ -1,0 +1,68 @@
+"""What the serving subcommands (``pdwire bootstrap``, ``node``, ``proxy``) share: start a
+server, serve until SIGINT or SIGTERM, report how it ended; and running one standalone."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # uvicorn and FastAPI load only when a server starts
+    from .http_server import AppServer
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_POLL_S = 0.5
+
+A = TypeVar("A", bound="AppServer")
+
+
+def serve(
+    command: str,
+    start: Callable[[], A],
+    banner: Callable[[A], str],
+    failures: tuple[type[BaseException], ...] = (RuntimeError, TimeoutError),
+) -> int:
+    """Start with ``start`` and serve until a signal: 0 on a clean stop, 1 if the server died or
+    failed to start (``failures``), 2 on bad usage (bind errors, bad values)."""
+    try:
+        server = start()
+    except (OSError, ValueError) as exc:
+        print(f"pdwire {command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except failures as exc:
+        print(f"pdwire {command}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    print(banner(server), flush=True)
+    try:
+        while not stop.wait(_POLL_S):
+            if not server.alive:
+                print(f"pdwire {command}: the server stopped serving", file=sys.stderr)
+                return EXIT_FAILED
+        return EXIT_OK
+    finally:
+        server.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def standalone(
+    command: str, add_parser: Callable[[Any], argparse.ArgumentParser], argv: Sequence[str] | None
+) -> int:
+    """Run one subcommand alone: ``python -m reference_connector.cli_<command>``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    parser = argparse.ArgumentParser(prog="pdwire")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args([command, *(sys.argv[1:] if argv is None else argv)])
+    func: Callable[[argparse.Namespace], int] = args.func
+    return func(args)
