@@ -295,30 +295,38 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.bench.codec_ratios",
-        description=(
-            "Time pdwire's encode/decode of pulls and responses against bare msgspec on the "
-            "identical structs and against a pydantic v2 JSON model, and print the ratios. "
-            "Each case runs 41 rounds; a round times every implementation back to back over a "
-            "loop of about 20 ms, and the ratio is the median of the rounds' ratios."
-        ),
-    )
+def bench_main(
+    argv: Sequence[str] | None,
+    prog: str,
+    description: str,
+    run_all: Callable[[Settings], list[dict[str, Any]]],
+    format_table: Callable[[Sequence[dict[str, Any]]], str],
+) -> int:
+    """The command line every ratio benchmark shares: --quick, --json, a table on stdout."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument(
         "--quick", action="store_true", help="loops of a few ms and 3 repeats (for tests)"
     )
     parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
     cases = run_all(QUICK if args.quick else FULL)
     print(format_table(cases))
     if args.json is not None:
         args.json.write_text(json.dumps({"cases": cases}, indent=2) + "\n")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return bench_main(
+        argv,
+        "python -m tests.bench.codec_ratios",
+        "Time pdwire's encode/decode of pulls and responses against bare msgspec on the "
+        "identical structs and against a pydantic v2 JSON model, and print the ratios. Each case "
+        "runs 41 rounds; a round times every implementation back to back over a loop of about "
+        "20 ms, and the ratio is the median of the rounds' ratios.",
+        run_all,
+        format_table,
+    )
 
 
 if __name__ == "__main__":

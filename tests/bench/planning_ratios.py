@@ -8,16 +8,13 @@ per block; nothing here asserts timings.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
 import random
 import statistics
 import sys
 import timeit
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
@@ -35,7 +32,7 @@ from pdwire.planning import (
 )
 from pdwire.vectors import SEED_BLOCK_BYTES, seed_pull
 
-from .codec_ratios import FULL, QUICK, Settings, _loop_size
+from .codec_ratios import Settings, _loop_size, bench_main
 
 BLOCKS_PER_REQUEST: Final = 63
 POOL: Final = 20_000  # blocks per region
@@ -247,31 +244,18 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m tests.bench.planning_ratios",
-        description=(
-            "Time pdwire.planning.descriptors (numpy, coalescing runs of blocks) against a plain "
-            "Python loop that writes one descriptor per block, on the seeds' request (72 regions "
-            "x 63 blocks of 32768 bytes): contiguous and fragmented block ids at TP1->TP1, and "
-            "TP2->TP1. Each case runs 41 rounds; a round times both back to back over a loop of "
-            "about 20 ms, and the ratio is the median of the rounds' ratios."
-        ),
-    )
-    parser.add_argument(
-        "--quick", action="store_true", help="loops of a few ms and 3 repeats (for tests)"
-    )
-    parser.add_argument("--json", type=Path, metavar="PATH", help="also write the results here")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    cases = run_all(QUICK if args.quick else FULL)
-    print(format_table(cases))
-    if args.json is not None:
-        args.json.write_text(json.dumps({"cases": cases}, indent=2) + "\n")
-    return 0
+    return bench_main(
+        argv,
+        "python -m tests.bench.planning_ratios",
+        "Time pdwire.planning.descriptors (numpy, coalescing runs of blocks) against a plain "
+        "Python loop that writes one descriptor per block, on the seeds' request (72 regions x "
+        "63 blocks of 32768 bytes): contiguous and fragmented block ids at TP1->TP1, and "
+        "TP2->TP1. Each case runs 41 rounds; a round times both back to back over a loop of "
+        "about 20 ms, and the ratio is the median of the rounds' ratios.",
+        run_all,
+        format_table,
+    )
 
 
 if __name__ == "__main__":
