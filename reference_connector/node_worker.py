@@ -22,6 +22,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
@@ -284,6 +285,8 @@ class _Worker:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """The worker process: start, announce, serve the front's commands, close."""
+    # A terminal's Ctrl-C reaches the whole process group; the front stops its workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
