@@ -56,6 +56,7 @@ bench: $(STAMP) sysdeps
 	$(PY) -m tests.bench.codec_ratios
 	$(PY) -m tests.bench.planning_ratios
 	$(PY) -m tests.bench.sim_scaling
+	$(PY) -m tests.bench.runtime_ratios
 	$(VENV)/bin/pytest tests/bench --benchmark-enable --benchmark-columns=min,median,ops
 
 schemas: $(STAMP)
