@@ -504,9 +504,23 @@ class ConsumerSession:
                     due.append(load)
             else:
                 pull = self._pulls[entry[3][0]]
+                self._forget_engine_of(pull)
                 self._fail_pull(pull, ErrorCode.DEADLINE_EXCEEDED, "transfer failed: timeout")
         if due:
+            unanswered = [
+                p for p in self._pulls.values() if any(d.req.d_req_id in p.reqs for d in due)
+            ]
             self._give_up(due, ErrorCode.DEADLINE_EXCEEDED, "deadline", now)
+            for pull in unanswered:  # after the cancels, which use what D learned of P
+                self._forget_engine_of(pull)
+
+    def _forget_engine_of(self, pull: _Pull) -> None:
+        """P did not answer in time: it may have restarted on new ports, so the next request for
+        its engine queries the bootstrap again (4.2-R12). Legacy D's cache for good, as vLLM."""
+        if self.config.profile == PDWIRE_2 and not pull.cancel:
+            self._engines.pop(pull.engine_id, None)
+            self._peers.pop(pull.addr, None)
+            self._acked.discard(pull.addr)
 
     def _drop_waiting(self, load: _Load) -> None:
         waiting = self._waiting.get(load.req.engine_id, [])

@@ -537,3 +537,25 @@ def test_announcing(profile: str, v2_entry: bool, announces: bool) -> None:
         assert msg.fingerprint == FP and msg.deadline_ms == 60_000
     else:
         assert keys <= LEGACY_PULL_KEYS
+
+
+@pytest.mark.parametrize(
+    ("profile", "ended_by", "queries_again"),
+    [
+        ("pdwire/2", "receive-timeout", True),
+        ("pdwire/2", "deadline", True),
+        (LEGACY, "receive-timeout", False),  # a legacy D has no deadline of its own
+    ],
+)
+def test_an_unanswered_pull_makes_d_query_the_bootstrap_again(
+    profile: str, ended_by: str, queries_again: bool
+) -> None:
+    """4.2-R12: a pdwire/2 D forgets an engine's cached entry once a pull to it ended without an
+    answer (P may have restarted on new ports), so the next request queries again; a legacy D
+    caches the entry for good, as vLLM does."""
+    c = Driver(consumer(profile=profile))
+    started(c, load("r1"), at=10)
+    c.advance(10 + (RECEIVE if ended_by == "receive-timeout" else DEADLINE) + 1)
+    out = c(LoadsRequested((load("r2"),)))
+    assert (of_type(out, QueryBootstrap) == [QueryBootstrap("e0", BOOT)]) is queries_again
+    assert (len(pulls(out)) == 1) is not queries_again
