@@ -8,10 +8,8 @@ with ``now``, and ``next_deadline()`` says when to call ``handle(TimePassed(), n
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, Final
 
 from . import auth, sections
@@ -38,6 +36,7 @@ from .messages import ErrorCode, Fingerprint, XferCancel, XferMetadata, XferMeta
 from .messages import XferResponseStatus as Status
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
 from .planning import Side, target_ranks
+from .session import Session, Timer
 from .transitions import LOAD_TRANSITIONS, LoadEvent, LoadState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
 
@@ -89,10 +88,11 @@ class _Pull:
     cancel: bool = False
 
 
-class ConsumerSession:
+class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     """One D worker's protocol state: the engines it knows, its pulls, its loading requests."""
 
     def __init__(self, config: ConsumerConfig) -> None:
+        super().__init__()
         self.config = config
         self._offer = Offer.of(config.profile, config.caps)
         self._engines: dict[str, EngineEntry] = {}
@@ -101,11 +101,9 @@ class ConsumerSession:
         self._pulls: dict[int, _Pull] = {}
         self._peers: dict[str, Offer] = {}  # what each P worker showed of its version
         self._acked: set[str] = set()  # P workers that echoed our layout_id
-        self._timers: list[tuple[float, int, str, Any]] = []
-        self._ids = itertools.count(1)
-        self._out: list[ConsumerOutput] = []
+        self._due: list[_Load] = []  # loads whose deadline fired in this handle
         self._layout = self._layout_fields()
-        self._handlers: dict[type, Callable[[Any, float], None]] = {
+        self._handlers = {
             LoadsRequested: self._on_loads,
             EngineResolved: self._on_engine,
             ReplyReceived: self._on_reply,
@@ -114,18 +112,6 @@ class ConsumerSession:
         }
 
     # -- public ------------------------------------------------------------------------------
-
-    def handle(self, event: ConsumerInput, now: float) -> list[ConsumerOutput]:
-        """Apply ``event`` at time ``now``; return what to do, in order."""
-        self._handlers[type(event)](event, now)
-        self._fire_timers(now)
-        out, self._out = self._out, []
-        return out
-
-    def next_deadline(self) -> float | None:
-        while self._timers and not self._timer_live(self._timers[0]):
-            heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
 
     def state_of(self, d_req_id: str) -> LoadState | None:
         load = self._loads.get(d_req_id)
@@ -478,10 +464,7 @@ class ConsumerSession:
 
     # -- timers ------------------------------------------------------------------------------
 
-    def _push(self, when: float, kind: str, what: Any) -> None:
-        heapq.heappush(self._timers, (when, next(self._ids), kind, what))
-
-    def _timer_live(self, entry: tuple[float, int, str, Any]) -> bool:
+    def _timer_live(self, entry: Timer) -> bool:
         _, _, kind, what = entry
         if kind == "deadline":
             load = self._loads.get(what)
@@ -489,30 +472,28 @@ class ConsumerSession:
         pull = self._pulls.get(what[0])
         return pull is not None and pull.receive_until == what[1]
 
-    def _fire_timers(self, now: float) -> None:
-        due: list[_Load] = []
-        while self._timers and self._timers[0][0] <= now:
-            entry = heapq.heappop(self._timers)
-            if not self._timer_live(entry):
-                continue
-            if entry[2] == "deadline":
-                load = self._loads[entry[3]]
-                if load.state is L.RESOLVING:
-                    self._drop_waiting(load)
-                    self._finish(load, (ErrorCode.DEADLINE_EXCEEDED, "deadline"))
-                else:
-                    due.append(load)
+    def _fire(self, entry: Timer, now: float) -> None:
+        if entry[2] == "deadline":
+            load = self._loads[entry[3]]
+            if load.state is L.RESOLVING:
+                self._drop_waiting(load)
+                self._finish(load, (ErrorCode.DEADLINE_EXCEEDED, "deadline"))
             else:
-                pull = self._pulls[entry[3][0]]
-                self._forget_engine_of(pull)
-                self._fail_pull(pull, ErrorCode.DEADLINE_EXCEEDED, "transfer failed: timeout")
-        if due:
-            unanswered = [
-                p for p in self._pulls.values() if any(d.req.d_req_id in p.reqs for d in due)
-            ]
-            self._give_up(due, ErrorCode.DEADLINE_EXCEEDED, "deadline", now)
-            for pull in unanswered:  # after the cancels, which use what D learned of P
-                self._forget_engine_of(pull)
+                self._due.append(load)  # given up together: one cancel per P worker
+        else:
+            pull = self._pulls[entry[3][0]]
+            self._forget_engine_of(pull)
+            self._fail_pull(pull, ErrorCode.DEADLINE_EXCEEDED, "transfer failed: timeout")
+
+    def _after_timers(self, now: float) -> None:
+        due, self._due = self._due, []
+        if not due:
+            return
+        names = {d.req.d_req_id for d in due}
+        unanswered = [p for p in self._pulls.values() if names & p.reqs.keys()]
+        self._give_up(due, ErrorCode.DEADLINE_EXCEEDED, "deadline", now)
+        for pull in unanswered:  # after the cancels, which use what D learned of P
+            self._forget_engine_of(pull)
 
     def _forget_engine_of(self, pull: _Pull) -> None:
         """P did not answer in time: it may have restarted on new ports, so the next request for

@@ -8,10 +8,7 @@ writes to start, blocks to free, requests to reject. It owns no socket, thread o
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import itertools
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Final
 
 import msgspec
@@ -49,6 +46,7 @@ from .planning import (
     regions_of_pull,
     target_ranks,
 )
+from .session import Session, Timer
 from .transitions import TERMINAL, TRANSFER_TRANSITIONS, TransferEvent, TransferState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
 
@@ -137,10 +135,11 @@ def _drop_unagreed_codes(reply: Reply, agreement: Agreement) -> None:
         reply.err_codes = {d: c for d, c in reply.err_codes.items() if agreed(c)} or None
 
 
-class ProducerSession:
+class ProducerSession(Session[ProducerInput, ProducerOutput]):
     """One P worker's protocol state: its transfers, the pulls it serves, its layout cache."""
 
     def __init__(self, config: ProducerConfig) -> None:
+        super().__init__()
         self.config = config
         self._offer = Offer.of(config.profile, config.caps)
         self._transfers: dict[str, _Transfer] = {}
@@ -149,11 +148,7 @@ class ProducerSession:
         self._deferred_cancels: dict[int, list[MessageReceived]] = {}  # pull key -> cancels
         self._plans: dict[tuple[object, ...], Plan | PlanError] = {}
         self._peer_layouts: OrderedDict[tuple[object, ...], Plan | PlanError] = OrderedDict()
-        self._timers: list[tuple[float, int, str, object]] = []
-        self._ids = itertools.count(1)
-        self._out: list[ProducerOutput] = []
-        self._now = 0.0
-        self._handlers: dict[type, Callable[..., None]] = {
+        self._handlers = {
             MessageReceived: self._on_message,
             TransferStarted: self._on_started,
             TransferFinished: self._on_finished,
@@ -163,20 +158,6 @@ class ProducerSession:
         }
 
     # -- public ------------------------------------------------------------------------------
-
-    def handle(self, event: ProducerInput, now: float) -> list[ProducerOutput]:
-        """Apply ``event`` at time ``now``; return what to do, in order."""
-        self._now = now
-        self._handlers[type(event)](event, now)
-        self._fire_timers(now)
-        out, self._out = self._out, []
-        return out
-
-    def next_deadline(self) -> float | None:
-        """When ``handle(TimePassed(), now)`` next has something to do, if ever."""
-        while self._timers and not self._timer_live(self._timers[0]):
-            heapq.heappop(self._timers)
-        return self._timers[0][0] if self._timers else None
 
     def state_of(self, transfer_id: str) -> TransferState | None:
         t = self._transfers.get(transfer_id)
@@ -708,14 +689,11 @@ class ProducerSession:
 
     # -- timers ------------------------------------------------------------------------------
 
-    def _push(self, when: float, kind: str, what: object) -> None:
-        heapq.heappush(self._timers, (when, next(self._ids), kind, what))
-
     def _push_pull_timer(self, pull: _Pull) -> None:
         pull.generation += 1
         self._push(min(pull.wait_until, pull.d_deadline), "pull", (pull.key, pull.generation))
 
-    def _timer_live(self, entry: tuple[float, int, str, object]) -> bool:
+    def _timer_live(self, entry: Timer) -> bool:
         when, _, kind, what = entry
         if kind == "pull":
             assert isinstance(what, tuple)
@@ -727,16 +705,11 @@ class ProducerSession:
     def _on_time(self, ev: TimePassed, now: float) -> None:
         pass  # the timers fire after every event
 
-    def _fire_timers(self, now: float) -> None:
-        while self._timers and self._timers[0][0] <= now:
-            entry = heapq.heappop(self._timers)
-            if not self._timer_live(entry):
-                continue
-            if entry[2] == "transfer":
-                self._expire(self._transfers[str(entry[3])], now)
-            else:
-                assert isinstance(entry[3], tuple)
-                self._pull_timer(self._pulls[entry[3][0]], now)
+    def _fire(self, entry: Timer, now: float) -> None:
+        if entry[2] == "transfer":
+            self._expire(self._transfers[str(entry[3])], now)
+        else:
+            self._pull_timer(self._pulls[entry[3][0]], now)
 
     def _pull_timer(self, pull: _Pull, now: float) -> None:
         if pull.round is not None or not pull.pending:

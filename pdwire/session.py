@@ -1,0 +1,57 @@
+"""What the producer and consumer sessions share: one ``handle`` entry that dispatches an input
+to its handler, fires due timers and returns the outputs gathered meanwhile; a timer heap whose
+stale entries are skipped lazily; and one counter for the ids a session mints."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+Timer = tuple[float, int, str, Any]  # (when, sequence, kind, what)
+
+
+class Session(Generic[In, Out]):
+    """Subclasses fill ``_handlers`` and implement ``_timer_live`` and ``_fire``."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[type, Callable[[Any, float], None]] = {}
+        self._timers: list[Timer] = []
+        self._ids = itertools.count(1)
+        self._out: list[Out] = []
+        self._now = 0.0
+
+    def handle(self, event: In, now: float) -> list[Out]:
+        """Apply ``event`` at time ``now``; return what to do, in order."""
+        self._now = now
+        self._handlers[type(event)](event, now)
+        while self._timers and self._timers[0][0] <= now:
+            entry = heapq.heappop(self._timers)
+            if self._timer_live(entry):
+                self._fire(entry, now)
+        self._after_timers(now)
+        out, self._out = self._out, []
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``handle(TimePassed(), now)`` next has something to do, if ever."""
+        while self._timers and not self._timer_live(self._timers[0]):
+            heapq.heappop(self._timers)
+        return self._timers[0][0] if self._timers else None
+
+    def _push(self, when: float, kind: str, what: Any) -> None:
+        heapq.heappush(self._timers, (when, next(self._ids), kind, what))
+
+    def _timer_live(self, entry: Timer) -> bool:
+        """False for an entry made stale since it was pushed (the state it timed moved on)."""
+        raise NotImplementedError
+
+    def _fire(self, entry: Timer, now: float) -> None:
+        raise NotImplementedError
+
+    def _after_timers(self, now: float) -> None:
+        """Called once the due timers have fired: for work they gathered to do together."""
