@@ -244,7 +244,9 @@ def test_d_gone_mid_transfer_p_frees_and_keeps_serving(
     P's write then fails (or lands in memory no one reads), its reply to the dead DEALER is
     dropped, and the blocks are freed (served, or expired after abort_timeout). A new D on
     another transfer engine then loads from the same P."""
-    abort = 1.0
+    # P's ready wait is abort_timeout too, and must outlast stopping D's engine (about 1 s),
+    # so that the pull is still waiting when the transfer finishes and P does write.
+    abort = 3.0
     c = make_cluster(profile, abort_timeout=abort)
     p = c.producers[0]
     assert p.agent is not None
