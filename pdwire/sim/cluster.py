@@ -90,7 +90,6 @@ class Request:
     reports: int = 0
     failed: bool = False
     terminal: float | None = None
-    d_freed: set[int] = dataclasses.field(default_factory=set)  # D workers that freed
 
 
 @dataclasses.dataclass(slots=True)

@@ -31,6 +31,8 @@ class Report:
     p99_terminal_seconds: float
     max_terminal_seconds: float
     control_messages_per_request: float
+    writes_per_request: float
+    bytes_per_request: float
     descriptors_per_request: float
     rejected_requests: int
     faults: dict[str, int]
@@ -81,6 +83,8 @@ def simulate(params: SimParams, progress: Any = None) -> Report:
         p99_terminal_seconds=_quantile(durations, 0.99),
         max_terminal_seconds=max(durations, default=0.0),
         control_messages_per_request=c.control_messages / n,
+        writes_per_request=c.writes / n,
+        bytes_per_request=c.bytes_written / n,
         descriptors_per_request=c.descriptors / n,
         rejected_requests=c.rejected,
         faults=dict(Counter(r.fault for r in reqs if r.fault)),
