@@ -38,7 +38,7 @@ from ..events import (
     WriteCompleted,
 )
 from ..http_models import EngineEntry
-from ..messages import Fingerprint, XferMetadata
+from ..messages import XferMetadata
 from ..planning import target_ranks
 from ..producer import ProducerConfig, ProducerSession
 from ..versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
@@ -131,16 +131,7 @@ class Cluster:
         self._dropped: set[str] = set()  # d_req_ids whose next message is lost
         self._rejected_p: set[str] = set()  # P requests refused for a taken transfer_id
         self.progress: Callable[[int], None] | None = None
-        g = params.geometry
-        self.fingerprint = Fingerprint(
-            model="sim",
-            dtype="bfloat16",
-            num_layers=g.num_layers,
-            num_kv_heads=g.num_kv_heads,
-            head_size=g.head_dim,
-            block_size=g.block_size,
-            kv_layout="LBHNC",
-        )
+        self.fingerprint = params.geometry.fingerprint("sim")
         self.p_workers = self._make_producers()
         self.d_workers = self._make_consumers()
         self._p_by_addr = {w.addr: w for w in self.p_workers}

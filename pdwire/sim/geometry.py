@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Final
 
+from ..messages import Fingerprint
 from ..planning import Region, Side
 
 #: Where the simulated address spaces start; each worker region gets its own span.
@@ -19,6 +20,18 @@ class Geometry:
     block_size: int = 16
     dtype_bytes: int = 2
     num_blocks: int = 4096
+
+    def fingerprint(self, model: str) -> Fingerprint:
+        """The compatibility fingerprint (§3.6) of ``model`` in this geometry, bf16 in LBHNC."""
+        return Fingerprint(
+            model=model,
+            dtype="bfloat16",
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_dim,
+            block_size=self.block_size,
+            kv_layout="LBHNC",
+        )
 
     def block_bytes(self, tp_size: int) -> int:
         """Payload of one layer's K (or V) for one block on one TP rank."""

@@ -34,7 +34,7 @@ import torch
 import zmq
 
 from pdwire.events import LoadRequest, SendPull
-from pdwire.messages import ErrorCode, Fingerprint
+from pdwire.messages import ErrorCode
 from pdwire.planning import Descriptors, Plan, Side, descriptors, prepare
 from pdwire.producer import ProducerConfig
 from pdwire.sim.geometry import Geometry
@@ -51,15 +51,7 @@ from .codec_ratios import QUICK, Settings, bench_main
 GEOM: Final = Geometry(
     num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, dtype_bytes=2, num_blocks=128
 )
-FP: Final = Fingerprint(
-    model="bench",
-    dtype="bfloat16",
-    num_layers=GEOM.num_layers,
-    num_kv_heads=GEOM.num_kv_heads,
-    head_size=GEOM.head_dim,
-    block_size=GEOM.block_size,
-    kv_layout="LBHNC",
-)
+FP: Final = GEOM.fingerprint("bench")
 BIG_BLOCKS: Final = 63  # blocks of the transfer case's requests (a 1000-token prompt)
 SMALL_BLOCKS: Final = 4  # blocks of the throughput case's requests
 CONCURRENCY: Final = 8  # loads in flight in the throughput case

@@ -28,7 +28,7 @@ import zmq
 
 from pdwire import decode_response
 from pdwire.events import FreeReason, LoadRequest
-from pdwire.messages import ErrorCode, Fingerprint, XferResponseStatus
+from pdwire.messages import ErrorCode, XferResponseStatus
 from pdwire.planning import Side, target_ranks
 from pdwire.producer import ProducerConfig
 from pdwire.sim.geometry import Geometry
@@ -43,15 +43,7 @@ logger = logging.getLogger(__name__)
 GEOM = Geometry(
     num_layers=4, num_kv_heads=8, head_dim=16, block_size=4, dtype_bytes=2, num_blocks=32
 )
-FP = Fingerprint(
-    model="tiny",
-    dtype="bfloat16",
-    num_layers=GEOM.num_layers,
-    num_kv_heads=GEOM.num_kv_heads,
-    head_size=GEOM.head_dim,
-    block_size=GEOM.block_size,
-    kv_layout="LBHNC",
-)
+FP = GEOM.fingerprint("tiny")
 WAIT = 10.0  # seconds any single wait may take before the test fails
 SILENCE = 0.3  # how long a socket is watched to show that no reply comes
 

@@ -36,15 +36,7 @@ from pdwire.versions import ALL_CAPS, LEGACY, PDWIRE_2, Profile
 
 #: A small model: 4 layers, 8 KV heads, K and V regions per layer.
 GEOM = Geometry(num_layers=4, num_kv_heads=8, head_dim=16, block_size=16, num_blocks=64)
-FP = Fingerprint(
-    model="tiny",
-    dtype="bfloat16",
-    num_layers=GEOM.num_layers,
-    num_kv_heads=GEOM.num_kv_heads,
-    head_size=GEOM.head_dim,
-    block_size=GEOM.block_size,
-    kv_layout="LBHNC",
-)
+FP = GEOM.fingerprint("tiny")
 T = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT
 CAPS = tuple(sorted(ALL_CAPS))
 LEGACY_PULL_KEYS = frozenset(XferMetadata.__struct_fields__)

@@ -45,7 +45,7 @@ from pdwire.events import (
     WriteCompleted,
 )
 from pdwire.http_models import EngineEntry
-from pdwire.messages import Fingerprint, XferMetadata
+from pdwire.messages import XferMetadata
 from pdwire.planning import Side, target_ranks
 from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.sim.geometry import Geometry
@@ -146,15 +146,7 @@ class Cluster:
         self.kv = model_kv(geometry)
         fingerprint = None
         if profile == PDWIRE_2:
-            fingerprint = Fingerprint(
-                model="interacting",
-                dtype="bfloat16",
-                num_layers=geometry.num_layers,
-                num_kv_heads=geometry.num_kv_heads,
-                head_size=geometry.head_dim,
-                block_size=geometry.block_size,
-                kv_layout="LBHNC",
-            )
+            fingerprint = geometry.fingerprint("interacting")
         self.fingerprint = fingerprint
         rng = np.random.default_rng(p_tp * 1000 + p_pp * 100 + d_tp * 10 + d_pp)
         self.p: list[PWorker] = []
