@@ -60,6 +60,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--load-timeout", type=float, default=120.0, help="decode: seconds to wait for P's KV"
     )
+    p.add_argument(
+        "--agent",
+        metavar="MODULE:CALLABLE",
+        default="",
+        help="the workers' side-channel agent: a factory taking a "
+        "reference_connector.worker_agents.WorkerContext (default: pdwire's own agents)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -96,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
             load_failure_policy=policy,
             model=args.model,
             load_timeout=args.load_timeout,
+            agent=args.agent,
         )
         return NodeServer(config).start(port=args.port)
 

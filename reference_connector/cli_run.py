@@ -50,6 +50,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     split.add_argument("--prefill-pp", type=int, default=1, help="P's PP size (default 1)")
     split.add_argument("--decode-pp", type=int, default=1, help="D's PP size (default 1)")
     split.add_argument("--profile", choices=(LEGACY, PDWIRE_2), default=PDWIRE_2)
+    for side in ("prefill", "decode"):
+        split.add_argument(
+            f"--{side}-agent",
+            metavar="MODULE:CALLABLE",
+            default="",
+            help=f"the {side} workers' side-channel agent factory (default: pdwire's own); "
+            "see pdwire node --agent",
+        )
     geometry = p.add_argument_group("KV geometry (default: Qwen3-8B, bfloat16)")
     geometry.add_argument("--layers", type=int, default=36)
     geometry.add_argument("--kv-heads", type=int, default=8)
@@ -99,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             raw_repeats=args.raw_repeats,
             request_timeout=args.timeout,
+            prefill_agent=args.prefill_agent,
+            decode_agent=args.decode_agent,
         )
     except ValueError as exc:
         print(f"pdwire run: {exc}", file=sys.stderr)

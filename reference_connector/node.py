@@ -73,6 +73,7 @@ class NodeConfig:
     call_timeout: float = 120.0  # any one command to a worker
     alloc_timeout: float = 30.0  # the longest wait for free blocks
     start_timeout: float = 120.0
+    agent: str = ""  # the workers' agent factory, MODULE:CALLABLE; "" = pdwire's own
 
 
 class NodeError(Exception):
@@ -174,6 +175,7 @@ class NodeEngine:
                     model=c.model,
                     start_timeout=c.start_timeout,
                     log_level=level,
+                    agent=c.agent,
                 )
                 self.workers.append(WorkerHandle(spec, len(self.workers), self._on_event))
         try:

@@ -1,7 +1,8 @@
 """A node's worker processes, one per (tp_rank, pp_rank), and the front's handles on them.
 
-Each worker (started with multiprocessing spawn) holds its transfer engine, its ``KVPool`` and
-its agent: a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent`` on a decode node. The front
+Each worker (started with multiprocessing spawn) holds its ``KVPool`` and its agent
+(``worker_agents``: by default a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent`` on a
+decode node, over the worker's transfer engine). The front
 talks to it over one duplex Pipe:
 
 - front -> worker: ``(call_id, op, args)``; the worker runs ``op_<op>(*args)`` in order and
@@ -30,15 +31,11 @@ from typing import Any, Literal
 
 from pdwire.events import LoadRequest
 from pdwire.messages import Fingerprint
-from pdwire.planning import Descriptors
-from pdwire.producer import ProducerConfig
 from pdwire.versions import PDWIRE_2, Profile
 
-from .consumer_agent import ConsumerAgent
 from .kv_content import ContextDigest, KVShape
 from .kv_pool import KVPool
-from .producer_agent import ProducerAgent
-from .transport import MooncakeTransport
+from .worker_agents import Agent, WorkerContext, load_factory
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +62,7 @@ class WorkerSpec:
     model: str = "pdwire-synthetic"
     start_timeout: float = 120.0
     log_level: int = logging.INFO
+    agent: str = ""  # MODULE:CALLABLE of the agent factory; "" = pdwire's own (worker_agents)
 
     @property
     def name(self) -> str:
@@ -90,24 +88,6 @@ class WorkerSpec:
         return int.from_bytes(key.digest()[:7], "little") | 1
 
 
-class CountingTransport(MooncakeTransport):
-    """The Mooncake transport, counting the descriptors and bytes of successful writes."""
-
-    def __init__(self, hostname: str) -> None:
-        super().__init__(hostname)
-        self._count_lock = threading.Lock()
-        self.descriptors = 0
-        self.bytes = 0
-
-    def write(self, peer: str, descriptors: Descriptors) -> int:
-        status = super().write(peer, descriptors)
-        if status == 0:
-            with self._count_lock:
-                self.descriptors += len(descriptors)
-                self.bytes += descriptors.total_bytes
-        return status
-
-
 # -- the worker process ----------------------------------------------------------------------
 
 
@@ -117,10 +97,8 @@ class _Worker:
         self._conn = conn
         self._send_lock = threading.Lock()
         self._digests: dict[str, ContextDigest] = {}
-        self.transport: CountingTransport | None = None
         self.pool: KVPool | None = None
-        self.producer: ProducerAgent | None = None
-        self.consumer: ConsumerAgent | None = None
+        self.agent: Agent | None = None
 
     def emit(self, *message: Any) -> None:
         with self._send_lock:
@@ -128,44 +106,9 @@ class _Worker:
 
     def start(self) -> dict[str, Any]:
         s = self.spec
-        self.transport = CountingTransport(s.host)
+        factory = load_factory(s.agent)
         self.pool = KVPool(s.shape, s.tp_size, s.tp_rank, s.pp_size, s.pp_rank)
-        side = self.pool.register(self.transport)
-        if s.role == "prefill":
-            config = ProducerConfig(side=side, profile=s.profile, fingerprint=s.fingerprint())
-            self.producer = ProducerAgent(
-                config,
-                self.transport,
-                bootstrap_url=s.bootstrap_url,
-                engine_id=s.engine_id,
-                on_free=lambda p_req, tid, reason: self.emit("event", "free", p_req, str(reason)),
-                on_reject=lambda p_req, tid, code, msg: self.emit(
-                    "event", "reject", p_req, str(code), msg
-                ),
-                tp_rank=s.tp_rank,
-                pp_rank=s.pp_rank,
-                host=s.host,
-            )
-            self.producer.start(timeout=s.start_timeout)
-        else:
-            d_config = ConsumerAgent.config_for(
-                self.transport,
-                side,
-                pp_rank=s.pp_rank,
-                profile=s.profile,
-                fingerprint=s.fingerprint(),
-                layout_id=s.layout_id(),
-            )
-            self.consumer = ConsumerAgent(
-                d_config,
-                self.transport,
-                on_loaded=lambda d_req: self.emit("event", "loaded", d_req),
-                on_failed=lambda d_req, code, why, free: self.emit(
-                    "event", "failed", d_req, str(code), why, free
-                ),
-                on_released=lambda d_req: self.emit("event", "released", d_req),
-            )
-            self.consumer.start()
+        self.agent = factory(WorkerContext(s, self.pool, self.emit))
         return self.op_stats()
 
     def serve(self) -> None:
@@ -195,17 +138,18 @@ class _Worker:
                 self.emit("reply", call_id, True, result)
 
     def close(self) -> None:
-        for agent in (self.producer, self.consumer):
-            if agent is not None:
-                agent.stop()
-        if self.transport is not None:
-            self.transport.close()
+        if self.agent is not None:
+            self.agent.stop()
 
     # -- ops ---------------------------------------------------------------------------------
 
     def _pool(self) -> KVPool:
         assert self.pool is not None
         return self.pool
+
+    def _agent(self) -> Agent:
+        assert self.agent is not None
+        return self.agent
 
     def op_prefill(
         self, req: str, ids: list[int], blocks: list[int], transfer_id: str | None, keep: bool
@@ -214,8 +158,7 @@ class _Worker:
         ``transfer_id``); return the slice's row digests, kept for decoding when ``keep``."""
         pool = self._pool()
         if transfer_id is not None:
-            assert self.producer is not None, "only a prefill worker sends KV"
-            self.producer.transfer_started(transfer_id, req)
+            self._agent().transfer_started(transfer_id, req)
         pool.write_prompt(ids, blocks)
         digest = pool.new_digest()
         digest.update(pool.words, blocks, 0, len(ids))
@@ -224,22 +167,20 @@ class _Worker:
         return digest.digests()
 
     def op_finish(self, req: str, transfer_id: str, blocks: list[int], send: bool) -> None:
-        assert self.producer is not None, "only a prefill worker sends KV"
         if send:
-            self.producer.transfer_finished(transfer_id, req, [blocks])
+            self._agent().transfer_finished(transfer_id, req, [blocks])
         else:
-            self.producer.transfer_will_not_send(transfer_id, req, "stop token")
+            self._agent().transfer_will_not_send(transfer_id, req, "stop token")
 
     def op_load(
         self, req: str, transfer_id: str, engine_id: str, bootstrap_addr: str, blocks: list[int]
     ) -> None:
-        assert self.consumer is not None, "only a decode worker loads KV"
         self._pool().zero(blocks)  # stale bytes must not pass verification
-        self.consumer.load([LoadRequest(req, transfer_id, engine_id, bootstrap_addr, [blocks])])
+        self._agent().load([LoadRequest(req, transfer_id, engine_id, bootstrap_addr, [blocks])])
 
     def op_abort(self, req: str) -> None:
-        if self.consumer is not None:
-            self.consumer.abort(req)
+        if self.agent is not None:
+            self.agent.abort(req)
 
     def op_verify(self, req: str, ids: list[int], blocks: list[int]) -> tuple[bool, int, bytes]:
         """Compare the loaded blocks with the prompt's KV slice; digest what they hold."""
@@ -262,24 +203,20 @@ class _Worker:
         self._digests.pop(req, None)
 
     def op_stats(self) -> dict[str, Any]:
-        s, t = self.spec, self.transport
+        s = self.spec
         stats: dict[str, Any] = {
             "name": s.name,
             "pid": os.getpid(),
             "tp_rank": s.tp_rank,
             "pp_rank": s.pp_rank,
-            "session": t.session if t is not None else "",
+            "session": "",
             "pool_bytes": self.pool.nbytes if self.pool is not None else 0,
             "requests": len(self._digests),
-            "descriptors": t.descriptors if t is not None else 0,
-            "bytes_written": t.bytes if t is not None else 0,
+            "descriptors": 0,
+            "bytes_written": 0,
         }
-        if self.producer is not None:
-            p = self.producer
-            stats.update(address=p.address, pulls_received=p.pulls_received, writes=p.writes)
-        if self.consumer is not None:
-            c = self.consumer
-            stats.update(pulls_sent=c.pulls_sent, open_sockets=c.open_sockets)
+        if self.agent is not None:
+            stats.update(self.agent.stats())
         return stats
 
 

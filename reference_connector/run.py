@@ -124,6 +124,8 @@ class RunConfig:
     raw_repeats: int = 5
     start_timeout: float = 120.0  # each node, and the proxy's readiness
     request_timeout: float = 300.0
+    prefill_agent: str = ""  # the P workers' agent factory (MODULE:CALLABLE); "" = pdwire's
+    decode_agent: str = ""  # the D workers' agent factory; "" = pdwire's
 
     def __post_init__(self) -> None:
         for name in ("requests", "concurrency", "prompt_tokens", "max_tokens", "raw_repeats"):
@@ -152,9 +154,14 @@ class RunConfig:
         )
 
     def describe(self) -> str:
+        agents = "".join(
+            f", {side} agent {name}"
+            for side, name in (("P", self.prefill_agent), ("D", self.decode_agent))
+            if name
+        )
         return (
             f"1P (TP{self.prefill_tp} PP{self.prefill_pp}) -> 1D (TP{self.decode_tp} "
-            f"PP{self.decode_pp}), {self.profile}, {self.requests} requests x "
+            f"PP{self.decode_pp}), {self.profile}{agents}, {self.requests} requests x "
             f"{self.prompt_tokens} prompt tokens, max_tokens {self.max_tokens}, concurrency "
             f"{self.concurrency}"
         )
@@ -321,6 +328,9 @@ class Deployment:
         c = self.config
         name = "P" if role == "prefill" else "D"
         extra = " with its bootstrap server" if role == "prefill" else ""
+        agent = c.prefill_agent if role == "prefill" else c.decode_agent
+        if agent:
+            extra += f", agent {agent}"
         node = NodeServer(
             NodeConfig(
                 role=role,
@@ -332,6 +342,7 @@ class Deployment:
                 model=MODEL,
                 load_timeout=c.request_timeout,
                 start_timeout=c.start_timeout,
+                agent=agent,
             )
         )
         if role == "prefill":
