@@ -89,8 +89,8 @@ async def register(
             raise _http_error("registration", endpoint, response)
         return _decode(RegisterReply, response)
     raise BootstrapError(
-        f"Failed to register {payload} with the bootstrap server at {url} after {attempts} "
-        "attempts."
+        f"Failed to register {payload} with the Mooncake bootstrap server at {url} after "
+        f"{attempts} attempts."
     )
 
 
