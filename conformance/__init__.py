@@ -2,3 +2,5 @@
 
 It depends on ``pdwire`` alone and never reuses ``reference_connector`` to probe a testee.
 """
+
+__version__ = "0.1.0"

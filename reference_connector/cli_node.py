@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +30,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "transferred by real workers (one process per TP/PP rank) over Mooncake and ZMQ. "
         "D checks every loaded byte. Serves until SIGINT or SIGTERM; prints its URL once ready.",
     )
-    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--role", choices=("prefill", "decode"))
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (default 8000)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (default 1)")
@@ -61,12 +63,34 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--load-timeout", type=float, default=120.0, help="decode: seconds to wait for P's KV"
     )
     p.add_argument(
+        "--no-verify-kv",
+        action="store_true",
+        help="decode: decode from whatever bytes P wrote, as an engine with a real model does, "
+        "instead of failing a load whose bytes are not the prompt's KV",
+    )
+    p.add_argument(
+        "--abort-timeout",
+        type=float,
+        default=float(os.environ.get("VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", 480)),
+        metavar="S",
+        help="P's ready wait and block retention, D's receive timeout less 60 s (§6); default "
+        "$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT or 480",
+    )
+    p.add_argument(
         "--agent",
         metavar="MODULE:CALLABLE",
         default="",
         help="the workers' side-channel agent: a factory taking a "
         "reference_connector.worker_agents.WorkerContext (default: pdwire's own agents)",
     )
+    p.add_argument(
+        "--mutant",
+        metavar="NAME",
+        default="",
+        help="start with one deliberate defect, to show a conformance case can fail "
+        "(--list-mutants names them); never for anything else",
+    )
+    p.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
     p.set_defaults(func=run)
     return p
 
@@ -77,8 +101,31 @@ def run(args: argparse.Namespace) -> int:
     from .node import NodeConfig, NodeServer, Policy
     from .node_worker import Role, WorkerError
 
+    if args.list_mutants:
+        from . import mutants
+
+        for m in mutants.MUTANTS.values():
+            print(f"{m.name:<24} {m.role:<8} {m.defect}")
+        return 0
+    if args.role is None:
+        print("pdwire node: --role is required", file=sys.stderr)
+        return 2
     role: Role = "prefill" if args.role == "prefill" else "decode"
     policy: Policy = "recompute" if args.load_failure_policy == "recompute" else "fail"
+    overrides: dict[str, Any] = {}
+    if args.mutant:
+        from . import mutants
+
+        try:
+            m = mutants.get(args.mutant)
+        except KeyError as exc:
+            print(f"pdwire node: {exc.args[0]}", file=sys.stderr)
+            return 2
+        if m.role != role:
+            print(f"pdwire node: mutant {m.name} is a {m.role} defect", file=sys.stderr)
+            return 2
+        mutants.apply(m.name)
+        overrides = dict(m.node)
 
     def start() -> NodeServer:
         shape = KVShape(
@@ -104,7 +151,12 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             load_timeout=args.load_timeout,
             agent=args.agent,
+            abort_timeout=args.abort_timeout,
+            mutant=args.mutant,
+            verify_kv=not args.no_verify_kv,
         )
+        if overrides:
+            config = dataclasses.replace(config, **overrides)
         return NodeServer(config).start(port=args.port)
 
     def banner(server: NodeServer) -> str:

@@ -63,6 +63,8 @@ class WorkerSpec:
     start_timeout: float = 120.0
     log_level: int = logging.INFO
     agent: str = ""  # MODULE:CALLABLE of the agent factory; "" = pdwire's own (worker_agents)
+    abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
+    mutant: str = ""  # a deliberate defect, for testing the conformance harness (mutants)
 
     @property
     def name(self) -> str:
@@ -228,6 +230,10 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
     )
+    if spec.mutant:
+        from . import mutants
+
+        mutants.apply(spec.mutant)
     worker = _Worker(spec, conn)
     try:
         try:

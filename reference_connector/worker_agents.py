@@ -130,7 +130,12 @@ class ReferenceAgent:
         try:
             side = ctx.pool.register(self.transport)
             if s.role == "prefill":
-                config = ProducerConfig(side=side, profile=s.profile, fingerprint=s.fingerprint())
+                config = ProducerConfig(
+                    side=side,
+                    profile=s.profile,
+                    fingerprint=s.fingerprint(),
+                    abort_timeout=s.abort_timeout,
+                )
                 self.producer = producer_agent(
                     config,
                     self.transport,
@@ -155,6 +160,7 @@ class ReferenceAgent:
                     profile=s.profile,
                     fingerprint=s.fingerprint(),
                     layout_id=s.layout_id(),
+                    receive_timeout=s.abort_timeout + 60.0,  # 3.1-R8
                 )
                 self.consumer = consumer_agent(
                     d_config,

@@ -357,7 +357,8 @@ async def test_register_gives_up_after_its_attempts(caplog: pytest.LogCaptureFix
     with pytest.raises(BootstrapError) as info:
         await register(url, payload, attempts=3, backoff=0.01)
     assert str(info.value) == (
-        f"Failed to register {payload} with the Mooncake bootstrap server at {url} after 3 attempts."
+        f"Failed to register {payload} with the Mooncake bootstrap server at {url} after 3 "
+        "attempts."
     )
     assert info.value.status is None
     assert "registration attempt 3/3" in caplog.text

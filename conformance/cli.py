@@ -1,0 +1,270 @@
+"""``pdwire conformance``: check a producer, a consumer or a P/D pair against the spec.
+
+Exit status: 0 when nothing unexpected failed, 1 when something did, 2 on bad usage or when the
+testee could not be reached at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from .case import Case, Suite, all_cases
+from .requirements import CATALOGUE, dump, parse_spec
+from .runner import Progress, Result, RunOptions, exit_code, read_list, select, summary
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("selection and reports")
+    g.add_argument(
+        "--cases",
+        action="append",
+        metavar="GLOB",
+        help="run only the cases whose id matches (repeatable, comma-separated), "
+        "e.g. 'producer/3.*'",
+    )
+    g.add_argument("--strict", action="store_true", help="a failed SHOULD case fails the run")
+    g.add_argument(
+        "--known-failing",
+        metavar="FILE",
+        help="case ids or globs that must fail (a listed case that passes fails the run)",
+    )
+    g.add_argument("--known-flaky", metavar="FILE", help="case ids or globs that may fail")
+    g.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    g.add_argument("--junit", metavar="PATH", help="write the report as JUnit XML")
+    g.add_argument(
+        "--html", metavar="PATH", help="write the report as one self-contained HTML file"
+    )
+    g.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for any one reply or HTTP answer of the testee (10)",
+    )
+    g.add_argument("-q", "--quiet", action="store_true", help="no line per case, only the summary")
+
+
+def _geometry(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("P's KV geometry (default: from the fingerprint P registered)")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--head-dim", type=int)
+    g.add_argument("--block-size", type=int)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``conformance`` and its subcommands to ``pdwire``'s subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "conformance",
+        help="check a producer, a consumer or a P/D pair against the spec",
+        description="The pdwire conformance harness. Each case has an id tied to a spec section "
+        "(producer/3.4/1), quotes its requirement and its level, and ends pass, fail, "
+        "non-strict (a failed SHOULD), informational (a MAY not taken), unsupported or skipped.",
+    )
+    sub = p.add_subparsers(dest="conformance_command", required=True, metavar="COMMAND")
+
+    ls = sub.add_parser("list", help="list the cases (id, level, requirement, title)")
+    ls.add_argument("--cases", action="append", metavar="GLOB")
+    ls.add_argument("--json", action="store_true", help="one JSON object per case")
+    ls.set_defaults(func=cmd_list)
+
+    prod = sub.add_parser(
+        "producer",
+        help="check a P: the harness is the client and the D",
+        description="Check a P (prefill engine) against the spec. The harness sends the P leg "
+        "of requests to --api, reads P's workers from --bootstrap, and pulls from them as a D "
+        "with its own Mooncake engine and memory, checking every reply and every byte written.",
+    )
+    prod.add_argument("--api", required=True, metavar="URL", help="P's OpenAI API")
+    prod.add_argument("--bootstrap", required=True, metavar="URL", help="P's bootstrap server")
+    prod.add_argument("--engine-id", help="the engine to test (default: DP rank 0's)")
+    prod.add_argument("--model", help="the model name to send (default: from /v1/models)")
+    prod.add_argument(
+        "--abort-timeout",
+        type=float,
+        metavar="S",
+        help="P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; timer cases are skipped without it",
+    )
+    _geometry(prod)
+    _common(prod)
+    prod.set_defaults(func=cmd_producer)
+
+    me = sub.add_parser(
+        "self",
+        help="start the reference testees and run every suite against them",
+        description="Start the reference P node (TP 2, with its bootstrap server) and D node on "
+        "loopback, with a short VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, run every suite against "
+        "them and stop them. With --mutant, the testee of the mutant's role has that defect.",
+    )
+    me.add_argument(
+        "--mutant",
+        metavar="NAME",
+        default="",
+        help="give the reference testee this defect (see: pdwire conformance mutants)",
+    )
+    _common(me)
+    me.set_defaults(func=cmd_self)
+
+    mut = sub.add_parser("mutants", help="list the reference testee's mutants, one a line")
+    mut.set_defaults(func=cmd_mutants)
+
+    reqs = sub.add_parser("requirements", help="check or regenerate requirements.json from spec/")
+    reqs.add_argument("--write", action="store_true", help="rewrite it instead of checking it")
+    reqs.set_defaults(func=cmd_requirements)
+    return p
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for c in select(all_cases(), args.cases):
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "id": c.id,
+                        "level": c.level.value,
+                        "requirement": c.requirement.id,
+                        "covers": list(c.covers),
+                        "title": c.title,
+                    }
+                )
+            )
+        else:
+            print(f"{c.id:<20} {c.level.value:<6} {c.requirement.id:<9} {c.title}")
+    return EXIT_OK
+
+
+def cmd_requirements(args: argparse.Namespace) -> int:
+    text = dump(parse_spec())
+    if args.write:
+        CATALOGUE.write_text(text, encoding="utf-8")
+        print(f"wrote {CATALOGUE}")
+        return EXIT_OK
+    if CATALOGUE.read_text(encoding="utf-8") != text:
+        print(
+            f"{CATALOGUE} differs from spec/: run pdwire conformance requirements --write",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    print("requirements.json matches spec/")
+    return EXIT_OK
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(
+        strict=args.strict,
+        known_failing=read_list(args.known_failing) if args.known_failing else frozenset(),
+        known_flaky=read_list(args.known_flaky) if args.known_flaky else frozenset(),
+    )
+
+
+def finish(args: argparse.Namespace, results: Sequence[Result], testee: dict[str, Any]) -> int:
+    """Print the summary, write the reports asked for, and give the exit status."""
+    from .report import write_html, write_json, write_junit
+
+    counts = summary(results)
+    line = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
+    unexpected = [r.case.id for r in results if r.unexpected]
+    print(f"{len(results)} cases: {line}")
+    if unexpected:
+        print(f"unexpected: {', '.join(unexpected)}")
+    for flag, writer in (("json", write_json), ("junit", write_junit), ("html", write_html)):
+        path = getattr(args, flag, None)
+        if path:
+            writer(path, results, testee)
+    return exit_code(results)
+
+
+def _run(
+    args: argparse.Namespace,
+    suite: Suite | None,
+    go: Callable[[list[Case], RunOptions, Progress], Coroutine[Any, Any, list[Result]]],
+    testee: dict[str, Any],
+) -> int:
+    try:
+        options = run_options(args)
+    except OSError as exc:
+        print(f"pdwire conformance: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    cases = [c for c in select(all_cases(), args.cases) if suite in (None, c.suite)]
+    progress = Progress(len(cases), quiet=args.quiet)
+    try:
+        results = asyncio.run(go(cases, options, progress))
+    except RuntimeError as exc:
+        print(f"pdwire conformance {suite or 'self'}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return finish(args, results, testee)
+
+
+def producer_options(args: argparse.Namespace) -> Any:
+    from pdwire.sim.geometry import Geometry
+
+    from .suites.producer_env import ProducerOptions
+
+    dims = (args.layers, args.kv_heads, args.head_dim, args.block_size)
+    geometry = None
+    if any(d is not None for d in dims):
+        if not all(d is not None for d in dims):
+            raise SystemExit(
+                "pdwire conformance: give all of --layers --kv-heads --head-dim "
+                "--block-size, or none"
+            )
+        geometry = Geometry(*dims)
+    return ProducerOptions(
+        api=args.api.rstrip("/"),
+        bootstrap=args.bootstrap.rstrip("/"),
+        engine_id=args.engine_id,
+        geometry=geometry,
+        model=args.model,
+        abort_timeout=args.abort_timeout,
+        request_timeout=args.timeout,
+    )
+
+
+def cmd_producer(args: argparse.Namespace) -> int:
+    from .suites.run import run_producer
+
+    options = producer_options(args)
+    testee = {"role": "producer", "api": options.api, "bootstrap": options.bootstrap}
+    return _run(
+        args,
+        Suite.PRODUCER,
+        lambda cases, ro, progress: run_producer(options, cases, ro, progress),
+        testee,
+    )
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    names = sorted({m for c in all_cases() for m in c.caught_by})
+    print("\n".join(names))
+    return EXIT_OK
+
+
+def cmd_self(args: argparse.Namespace) -> int:
+    from .selftest import run_self
+
+    return _run(
+        args,
+        None,
+        lambda cases, ro, progress: run_self(args.mutant, cases, ro, progress, args.timeout),
+        {"role": "self", "mutant": args.mutant or None},
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m conformance.cli ...`` (the same as ``pdwire conformance ...``)."""
+    parser = argparse.ArgumentParser(prog="pdwire")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["conformance", *(sys.argv[1:] if argv is None else argv)])
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

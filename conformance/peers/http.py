@@ -1,0 +1,79 @@
+"""HTTP as the harness speaks it: completions to an engine's OpenAI API, the bootstrap server's
+routes, each exchange in the case's wire log."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from ..case import WireLog
+
+
+@dataclasses.dataclass
+class HttpResult:
+    status: int  # 0: no response (connection error, timeout)
+    body: Any  # decoded JSON, else the text
+    elapsed: float
+    error: str = ""  # why there is no response
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    def text(self) -> str:
+        """The completion text of an OpenAI completion or chat body ("" if none)."""
+        try:
+            choice = self.body["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            return ""
+        if "text" in choice:
+            return str(choice["text"])
+        return str((choice.get("message") or {}).get("content") or "")
+
+
+async def request(
+    client: httpx.AsyncClient,
+    method: str,
+    url: str,
+    log: WireLog,
+    *,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float | None = None,
+) -> HttpResult:
+    channel = f"http {method} {url}"
+    log.sent(channel, "request", body)
+    start = time.monotonic()
+    try:
+        response = await client.request(
+            method,
+            url,
+            json=body,
+            headers=headers,
+            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        )
+    except httpx.HTTPError as exc:
+        elapsed = time.monotonic() - start
+        log.received(channel, f"no response: {type(exc).__name__}: {exc}")
+        return HttpResult(0, None, elapsed, f"{type(exc).__name__}: {exc}")
+    elapsed = time.monotonic() - start
+    try:
+        decoded: Any = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        decoded = response.text
+    log.received(channel, f"HTTP {response.status_code}", decoded)
+    return HttpResult(response.status_code, decoded, elapsed)
+
+
+def request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def transfer_id() -> str:
+    """A transfer_id as a proxy mints it (§5.4)."""
+    return f"xfer-{uuid.uuid4()}"

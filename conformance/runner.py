@@ -1,0 +1,157 @@
+"""Running cases: selection by glob, one case at a time under its timeout, verdicts, known-failing
+and known-flaky lists (Connect conformance's rules), and the run's exit status."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fnmatch
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from .case import Case, CaseFailed, Skip, Unsupported, Verdict, WireLog
+from .requirements import Level
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    strict: bool = False  # a failed SHOULD fails the run
+    known_failing: frozenset[str] = frozenset()  # globs; such a case must fail, and may
+    known_flaky: frozenset[str] = frozenset()  # globs; such a case may fail
+    timeout_scale: float = 1.0  # multiplies every case's timeout
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    verdict: Verdict
+    duration_s: float
+    detail: str
+    log: WireLog
+    known_failing: bool = False
+    known_flaky: bool = False
+
+    @property
+    def unexpected(self) -> bool:
+        """A failure nobody expected, or a known-failing case that no longer fails."""
+        if self.known_failing:
+            return self.verdict is not Verdict.FAIL
+        return self.verdict is Verdict.FAIL and not self.known_flaky
+
+
+def read_list(path: str | Path) -> frozenset[str]:
+    """Case ids or globs, one a line; ``#`` starts a comment (the reason)."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return frozenset(
+        line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()
+    )
+
+
+def matches(case_id: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(case_id, p) for p in patterns)
+
+
+def select(cases: Sequence[Case], globs: Sequence[str] | None) -> list[Case]:
+    """The cases whose id matches one of ``globs`` (every case when there is none)."""
+    if not globs:
+        return list(cases)
+    patterns = [p.strip() for g in globs for p in g.split(",") if p.strip()]
+    return [c for c in cases if matches(c.id, patterns)]
+
+
+def _failed_verdict(level: Level, strict: bool) -> Verdict:
+    if level is Level.MUST:
+        return Verdict.FAIL
+    if level is Level.SHOULD:
+        return Verdict.FAIL if strict else Verdict.NON_STRICT
+    return Verdict.INFORMATIONAL
+
+
+async def run_case(case: Case, ctx_for: Callable[[WireLog], Any], options: RunOptions) -> Result:
+    log = WireLog()
+    start = time.monotonic()
+    timeout = case.timeout * options.timeout_scale
+    try:
+        await asyncio.wait_for(case.func(ctx_for(log)), timeout)
+        verdict, detail = Verdict.PASS, ""
+    except CaseFailed as exc:
+        verdict, detail = _failed_verdict(case.level, options.strict), exc.detail
+    except TimeoutError:
+        log.note(f"the case timed out after {timeout:.1f}s")
+        verdict = _failed_verdict(case.level, options.strict)
+        detail = f"timed out after {timeout:.1f}s (the testee did not answer in time)"
+    except Unsupported as exc:
+        verdict, detail = Verdict.UNSUPPORTED, str(exc)
+    except Skip as exc:
+        verdict, detail = Verdict.SKIPPED, str(exc)
+    except Exception as exc:  # the testee broke the exchange in a way no check foresaw
+        log.note("exception", traceback.format_exc())
+        verdict = _failed_verdict(case.level, options.strict)
+        detail = f"{type(exc).__name__}: {exc}"
+    return Result(
+        case,
+        verdict,
+        round(time.monotonic() - start, 3),
+        detail,
+        log,
+        known_failing=matches(case.id, options.known_failing),
+        known_flaky=matches(case.id, options.known_flaky),
+    )
+
+
+class Progress:
+    """One line per case on a stream, like h2spec: counter, verdict, id, title, time."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, quiet: bool = False) -> None:
+        self.total, self.done = total, 0
+        self.stream = stream or sys.stderr
+        self.quiet = quiet
+
+    def __call__(self, result: Result) -> None:
+        self.done += 1
+        if self.quiet:
+            return
+        mark = result.verdict.value
+        if result.known_failing:
+            mark += (
+                " (known failing)" if result.verdict is Verdict.FAIL else " (KNOWN FAILING PASSED)"
+            )
+        width = len(str(self.total))
+        line = (
+            f"[{self.done:>{width}}/{self.total}] {mark:<14} {result.case.id:<20} "
+            f"{result.case.title} ({result.duration_s:.2f}s)"
+        )
+        if result.detail and result.verdict not in (Verdict.PASS,):
+            line += f"\n{'':>{2 * width + 4}}{result.detail}"
+        print(line, file=self.stream, flush=True)
+
+
+async def run_cases(
+    cases: Sequence[Case],
+    ctx_for: Callable[[WireLog], Any],
+    options: RunOptions,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    results = []
+    for case in cases:
+        result = await run_case(case, ctx_for, options)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    return results
+
+
+def summary(results: Iterable[Result]) -> dict[str, int]:
+    counts = {v.value: 0 for v in Verdict}
+    for r in results:
+        counts[r.verdict.value] += 1
+    return counts
+
+
+def exit_code(results: Iterable[Result]) -> int:
+    """0 only when nothing unexpected failed."""
+    return 1 if any(r.unexpected for r in results) else 0

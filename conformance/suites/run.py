@@ -1,0 +1,24 @@
+"""Running a suite against a testee: open the suite's world, run its cases, close it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..case import Case, Suite
+from ..runner import Result, RunOptions, run_cases
+from .producer_env import ProducerCtx, ProducerEnv, ProducerOptions
+
+
+async def run_producer(
+    options: ProducerOptions,
+    cases: Sequence[Case],
+    run_options: RunOptions,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    env = ProducerEnv(options)
+    try:
+        await env.open()
+        chosen = [c for c in cases if c.suite is Suite.PRODUCER]
+        return await run_cases(chosen, lambda log: ProducerCtx(env, log), run_options, on_result)
+    finally:
+        await env.close()

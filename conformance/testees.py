@@ -1,0 +1,121 @@
+"""Testees the harness starts itself: the reference P and D nodes (``pdwire node``) as child
+processes on loopback with free ports, optionally with one deliberate defect (``--mutant``).
+
+The harness never imports the reference connector: it only runs its command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from contextlib import closing
+from pathlib import Path
+from typing import Final, Literal
+
+import httpx
+
+Role = Literal["prefill", "decode"]
+
+#: The reference testees' KV geometry: small, so a run moves little memory.
+GEOMETRY: Final = ("--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--block-size", "4")
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 16, 4
+#: The reference testees' VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: short, so timer cases are quick.
+ABORT_TIMEOUT: Final = 2.0
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class TesteeError(RuntimeError):
+    """A testee did not start; the message holds the tail of its log."""
+
+
+@dataclasses.dataclass
+class Testee:
+    """One running node."""
+
+    role: Role
+    url: str
+    bootstrap: str  # "" for a decode node
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    mutant: str = ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5.0)
+        self.log_path.unlink(missing_ok=True)
+
+
+def start_node(
+    role: Role,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    profile: str = "pdwire/2",
+    mutant: str = "",
+    extra: Sequence[str] = (),
+    abort_timeout: float = ABORT_TIMEOUT,
+    timeout: float = 120.0,
+) -> Testee:
+    """Start a reference node and wait until it answers ``/health``."""
+    port = free_port()
+    args = [
+        sys.executable, "-m", "pdwire", "node", "--role", role, "--port", str(port),
+        "--tp", str(tp), "--pp", str(pp), "--profile", profile, *GEOMETRY,
+        "--num-blocks", "256", "--abort-timeout", str(abort_timeout), *extra,
+    ]  # fmt: skip
+    bootstrap = ""
+    if role == "prefill":
+        bport = free_port()
+        args += ["--bootstrap-port", str(bport)]
+        bootstrap = f"http://127.0.0.1:{bport}"
+    if mutant:
+        args += ["--mutant", mutant]
+    fd, name = tempfile.mkstemp(prefix=f"pdwire-testee-{role}-", suffix=".log")
+    env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+    with os.fdopen(fd, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+    testee = Testee(role, f"http://127.0.0.1:{port}", bootstrap, process, Path(name), mutant)
+    deadline = time.monotonic() + timeout
+    with httpx.Client(timeout=2.0) as http:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = testee.log_tail()
+                testee.stop()
+                raise TesteeError(f"the {role} node exited with {process.returncode}:\n{tail}")
+            try:
+                if http.get(f"{testee.url}/health").status_code == 200:
+                    return testee
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)  # polling a child process for readiness: nothing to await
+    tail = testee.log_tail()
+    testee.stop()
+    raise TesteeError(f"the {role} node did not answer /health within {timeout}s:\n{tail}")
