@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -95,6 +96,50 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _geometry(prod)
     _common(prod)
     prod.set_defaults(func=cmd_producer)
+
+    cons = sub.add_parser(
+        "consumer",
+        help="check a D: the harness is P and its bootstrap server",
+        description="Check a D (decode engine) against the spec. The harness runs fake P "
+        "workers with their own bootstrap server and Mooncake engine, sends D requests whose "
+        "kv_transfer_params point at them, and checks every pull D sends and how D handles "
+        "every kind of reply.",
+    )
+    cons.add_argument("--api", required=True, metavar="URL", help="D's OpenAI API")
+    cons.add_argument("--model", help="the model name to send (default: from /v1/models)")
+    cons.add_argument(
+        "--abort-timeout",
+        type=float,
+        metavar="S",
+        help="D's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, when known",
+    )
+    cons.add_argument(
+        "--receive-timeout",
+        type=float,
+        metavar="S",
+        help="D's receive timeout per pull, when known (default: --abort-timeout "
+        "+ 60); receive-timeout cases are skipped without either",
+    )
+    _common(cons)
+    cons.set_defaults(func=cmd_consumer)
+
+    pair = sub.add_parser(
+        "pair",
+        help="check a P/D pair: the harness is the client and the proxy",
+        description="Check a P and a D together. The harness is the proxy: it sends both legs "
+        "of each request, relays and checks every side-channel message between them, and "
+        "checks that the disaggregated text equals D's own local-prefill text.",
+    )
+    pair.add_argument(
+        "--prefill",
+        required=True,
+        metavar="URL[@BOOTSTRAP]",
+        help="P's API, and its bootstrap server (default port 8998 on P's host)",
+    )
+    pair.add_argument("--decode", required=True, metavar="URL", help="D's API")
+    pair.add_argument("--model", help="the model name to send (default: from /v1/models)")
+    _common(pair)
+    pair.set_defaults(func=cmd_pair)
 
     me = sub.add_parser(
         "self",
@@ -192,6 +237,8 @@ def _run(
     except OSError as exc:
         print(f"pdwire conformance: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # The Mooncake engine's own log: errors only, unless the caller chose (ERROR is its highest).
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     cases = [c for c in select(all_cases(), args.cases) if suite in (None, c.suite)]
     progress = Progress(len(cases), quiet=args.quiet)
     try:
@@ -237,6 +284,57 @@ def cmd_producer(args: argparse.Namespace) -> int:
         Suite.PRODUCER,
         lambda cases, ro, progress: run_producer(options, cases, ro, progress),
         testee,
+    )
+
+
+def cmd_consumer(args: argparse.Namespace) -> int:
+    from .suites.consumer_env import ConsumerOptions, run_consumer
+
+    options = ConsumerOptions(
+        api=args.api.rstrip("/"),
+        model=args.model,
+        abort_timeout=args.abort_timeout,
+        receive_timeout=args.receive_timeout,
+        request_timeout=args.timeout,
+    )
+    testee = {"role": "consumer", "api": options.api}
+    return _run(
+        args,
+        Suite.CONSUMER,
+        lambda cases, ro, progress: run_consumer(options, cases, ro, progress),
+        testee,
+    )
+
+
+def parse_prefill(text: str) -> tuple[str, str]:
+    """``URL[@BOOTSTRAP]`` -> (P's API, its bootstrap server); the bootstrap server defaults to
+    port 8998 on P's host (5.4-R16)."""
+    from urllib.parse import urlsplit
+
+    url, _, bootstrap = text.partition("@")
+    url = url.rstrip("/")
+    if not bootstrap:
+        host = urlsplit(url).hostname or "127.0.0.1"
+        bootstrap = f"http://{host}:8998"
+    elif "://" not in bootstrap:
+        bootstrap = f"http://{bootstrap}"
+    return url, bootstrap.rstrip("/")
+
+
+def cmd_pair(args: argparse.Namespace) -> int:
+    from .suites.pair_env import PairOptions, run_pair
+
+    prefill, bootstrap = parse_prefill(args.prefill)
+    options = PairOptions(
+        prefill=prefill,
+        prefill_bootstrap=bootstrap,
+        decode=args.decode.rstrip("/"),
+        model=args.model,
+        request_timeout=args.timeout,
+    )
+    testee = {"role": "pair", "prefill": prefill, "bootstrap": bootstrap, "decode": options.decode}
+    return _run(
+        args, Suite.PAIR, lambda cases, ro, progress: run_pair(options, cases, ro, progress), testee
     )
 
 

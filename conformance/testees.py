@@ -73,6 +73,19 @@ class Testee:
         self.log_path.unlink(missing_ok=True)
 
 
+def mutant_roles() -> dict[str, Role]:
+    """The reference node's mutants and the role each is a defect of (``--list-mutants``)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pdwire", "node", "--list-mutants"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    roles: dict[str, Role] = {}
+    for line in out.splitlines():
+        name, role, *_ = line.split()
+        roles[name] = "prefill" if role == "prefill" else "decode"
+    return roles
+
+
 def start_node(
     role: Role,
     *,

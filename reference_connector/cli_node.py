@@ -77,6 +77,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT or 480",
     )
     p.add_argument(
+        "--receive-timeout",
+        type=float,
+        metavar="S",
+        help="decode: the receive timeout of each pull (default: --abort-timeout + 60)",
+    )
+    p.add_argument(
         "--agent",
         metavar="MODULE:CALLABLE",
         default="",
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             load_timeout=args.load_timeout,
             agent=args.agent,
             abort_timeout=args.abort_timeout,
+            receive_timeout=args.receive_timeout,
             mutant=args.mutant,
             verify_kv=not args.no_verify_kv,
         )

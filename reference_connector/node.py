@@ -75,6 +75,7 @@ class NodeConfig:
     start_timeout: float = 120.0
     agent: str = ""  # the workers' agent factory, MODULE:CALLABLE; "" = pdwire's own
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
+    receive_timeout: float | None = None  # decode: per pull; None = abort_timeout + 60 (3.1-R8)
     mutant: str = ""  # applied in every worker; the front applies it itself (cli_node)
     verify_kv: bool = True  # decode: fail a load whose bytes are not the prompt's KV
 
@@ -180,6 +181,7 @@ class NodeEngine:
                     log_level=level,
                     agent=c.agent,
                     abort_timeout=c.abort_timeout,
+                    receive_timeout=c.receive_timeout,
                     mutant=c.mutant,
                 )
                 self.workers.append(WorkerHandle(spec, len(self.workers), self._on_event))

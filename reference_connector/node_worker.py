@@ -64,6 +64,7 @@ class WorkerSpec:
     log_level: int = logging.INFO
     agent: str = ""  # MODULE:CALLABLE of the agent factory; "" = pdwire's own (worker_agents)
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
+    receive_timeout: float | None = None  # D, per pull; None = abort_timeout + 60 (3.1-R8)
     mutant: str = ""  # a deliberate defect, for testing the conformance harness (mutants)
 
     @property

@@ -160,7 +160,7 @@ class ReferenceAgent:
                     profile=s.profile,
                     fingerprint=s.fingerprint(),
                     layout_id=s.layout_id(),
-                    receive_timeout=s.abort_timeout + 60.0,  # 3.1-R8
+                    receive_timeout=s.receive_timeout or s.abort_timeout + 60.0,  # 3.1-R8
                 )
                 self.consumer = consumer_agent(
                     d_config,

@@ -110,8 +110,8 @@ class ProducerEnv:
 
     @property
     def p_pp(self) -> int:
-        addrs = self.entry.get("worker_addr", {})
-        first = next(iter(addrs.values()), {})
+        addrs: dict[str, dict[str, str]] = self.entry.get("worker_addr", {})
+        first: dict[str, str] = next(iter(addrs.values()), {})
         return int(self.entry.get("pp_size") or len(first) or 1)
 
     @property
@@ -208,7 +208,7 @@ class ProducerCtx:
         **body: Any,
     ) -> HttpResult:
         """Send P the P leg of a request (§5.1) and wait for its answer."""
-        kv = {"do_remote_decode": True, "do_remote_prefill": False}
+        kv: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         if transfer is not None:
             kv["transfer_id"] = transfer
         payload: dict[str, Any] = {
@@ -245,7 +245,7 @@ class ProducerCtx:
     def targets(self, worker: DWorker) -> list[str]:
         """The P workers ``worker`` pulls from for a transfer (§10.1, §10.2)."""
         side = worker.side
-        addrs = []
+        addrs: list[str] = []
         for tp in target_ranks(side.tp_size, side.tp_rank, self.p_tp):
             pps = [worker.pp_rank] if side.pp_size == self.p_pp else range(self.p_pp)
             addrs.extend(self.addr(tp, pp) for pp in pps)
