@@ -160,6 +160,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     mut = sub.add_parser("mutants", help="list the reference testee's mutants, one a line")
     mut.set_defaults(func=cmd_mutants)
 
+    trace = sub.add_parser(
+        "trace",
+        help="the traceability table: which cases check which requirement",
+        description="Print how many requirements of each level the cases cover and every MUST "
+        "that no case covers; exit 1 when such a MUST is not listed as unobservable.",
+    )
+    trace.add_argument("--markdown", action="store_true", help="print the whole table")
+    trace.add_argument("--json", action="store_true", help="print the counts as JSON")
+    trace.set_defaults(func=cmd_trace)
+
     reqs = sub.add_parser("requirements", help="check or regenerate requirements.json from spec/")
     reqs.add_argument("--write", action="store_true", help="rewrite it instead of checking it")
     reqs.set_defaults(func=cmd_requirements)
@@ -183,6 +193,27 @@ def cmd_list(args: argparse.Namespace) -> int:
         else:
             print(f"{c.id:<20} {c.level.value:<6} {c.requirement.id:<9} {c.title}")
     return EXIT_OK
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from . import traceability as tr
+
+    rows = tr.table()
+    if args.markdown:
+        print(tr.markdown(rows), end="")
+        return EXIT_OK
+    counts = tr.counts()
+    if args.json:
+        print(json.dumps(counts, indent=1))
+    else:
+        for level, total in counts["requirements"].items():
+            print(f"{level}: {counts['requirements_covered'].get(level, 0)} of {total} covered")
+        print("cases by level:", counts["cases_by_level"])
+        print("cases by chapter:", counts["cases_by_chapter"])
+    missing = [r for r in tr.uncovered_musts(rows) if r.id not in tr.UNCOVERED]
+    for r in missing:
+        print(f"uncovered MUST {r.id}: {r.text}", file=sys.stderr)
+    return EXIT_FAILED if missing else EXIT_OK
 
 
 def cmd_requirements(args: argparse.Namespace) -> int:

@@ -1,0 +1,169 @@
+"""The harness as a pytest plugin, so an implementation's own test suite runs the cases against
+its endpoints.
+
+Installed with pdwire (entry point ``pytest11``), it adds options and two things to use:
+
+- ``cases(glob)``: the cases to parametrize a test with;
+- the session fixture ``pdwire_testee``, whose ``check(case)`` runs one case against the testee
+  the options name and turns its verdict into pytest's: pass passes; fail fails with the
+  requirement and the wire log; non-strict warns (fails under ``--pdwire-strict``);
+  informational passes; unsupported and skipped skip.
+
+Every case at once, without writing a test::
+
+    pytest --pyargs conformance.pytest_cases --pdwire-producer http://p:8000@http://p:8998
+
+In a suite of one's own::
+
+    from conformance.pytest_plugin import cases
+
+    @pytest.mark.parametrize("case", cases("producer/3.*"), ids=str)
+    def test_pdwire(case, pdwire_testee):
+        pdwire_testee.check(case)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from .case import Case, Suite, Verdict, WireLog, all_cases
+from .runner import Result, RunOptions, run_case, select
+
+_OPTIONS = {
+    Suite.PRODUCER: "--pdwire-producer",
+    Suite.CONSUMER: "--pdwire-consumer",
+    Suite.PAIR: "--pdwire-pair",
+}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("pdwire", "pdwire conformance")
+    group.addoption(
+        "--pdwire-producer",
+        metavar="API@BOOTSTRAP",
+        help="run producer cases against this P (its API and bootstrap server)",
+    )
+    group.addoption("--pdwire-consumer", metavar="API", help="run consumer cases against this D")
+    group.addoption(
+        "--pdwire-pair",
+        metavar="PREFILL[@BOOTSTRAP],DECODE",
+        help="run pair cases against this P and D",
+    )
+    group.addoption(
+        "--pdwire-abort-timeout",
+        type=float,
+        metavar="S",
+        help="the testee's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (timer cases)",
+    )
+    group.addoption(
+        "--pdwire-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for any one reply of the testee (10)",
+    )
+    group.addoption("--pdwire-strict", action="store_true", help="a failed SHOULD case fails")
+
+
+def cases(glob: str = "*") -> list[Case]:
+    """The cases whose id matches ``glob``, for ``pytest.mark.parametrize``."""
+    return select(all_cases(), [glob])
+
+
+class Testee:
+    """The testees the options name, one suite world each, opened on first use in a loop thread
+    of their own and closed at the end of the session."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self._config = config
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="pdwire-conformance"
+        )
+        self._thread.start()
+        self._worlds: dict[Suite, tuple[Any, Callable[[WireLog], Any]]] = {}
+        self._options = RunOptions(strict=bool(config.getoption("--pdwire-strict")))
+
+    def _call(self, coro: Any, timeout: float | None = None) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _world(self, suite: Suite) -> Callable[[WireLog], Any]:
+        if suite not in self._worlds:
+            target = self._config.getoption(_OPTIONS[suite])
+            if not target:
+                pytest.skip(f"{_OPTIONS[suite]} not given: no {suite.value} testee")
+            env, ctx_for = _open(suite, str(target), self._config)
+            self._call(env.open(), 120)
+            self._worlds[suite] = (env, ctx_for)
+        return self._worlds[suite][1]
+
+    def run(self, case: Case) -> Result:
+        ctx_for = self._world(case.suite)
+        result: Result = self._call(run_case(case, ctx_for, self._options))
+        return result
+
+    def check(self, case: Case) -> None:
+        r = self.run(case)
+        req = f"[{case.level.value}] {case.requirement.id}: {case.requirement.text}"
+        if r.verdict in (Verdict.UNSUPPORTED, Verdict.SKIPPED):
+            pytest.skip(f"{r.verdict.value}: {r.detail}")
+        if r.verdict is Verdict.NON_STRICT:
+            warnings.warn(f"{case.id} non-strict: {r.detail}\n{req}", stacklevel=2)
+        elif r.verdict is Verdict.FAIL:
+            log = "\n".join(
+                f"{e.t:8.3f}s {e.direction} {e.channel} {e.what}" for e in r.log.entries
+            )
+            pytest.fail(f"{case.id} {case.title}\n{req}\n{r.detail}\n{log}", pytrace=False)
+
+    def close(self) -> None:
+        for env, _ in self._worlds.values():
+            self._call(env.close(), 30)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callable[[WireLog], Any]]:
+    abort = config.getoption("--pdwire-abort-timeout")
+    timeout = float(config.getoption("--pdwire-timeout"))
+    if suite is Suite.PRODUCER:
+        from .suites.producer_env import ProducerCtx, ProducerEnv, ProducerOptions
+
+        api, _, bootstrap = target.partition("@")
+        penv = ProducerEnv(
+            ProducerOptions(
+                api=api, bootstrap=bootstrap, abort_timeout=abort, request_timeout=timeout
+            )
+        )
+        return penv, lambda log: ProducerCtx(penv, log)
+    if suite is Suite.CONSUMER:
+        from .suites.consumer_env import ConsumerCtx, ConsumerEnv, ConsumerOptions
+
+        cenv = ConsumerEnv(
+            ConsumerOptions(api=target, abort_timeout=abort, request_timeout=timeout)
+        )
+        return cenv, lambda log: ConsumerCtx(cenv, log)
+    from .cli import parse_prefill
+    from .suites.pair_env import PairCtx, PairEnv, PairOptions
+
+    prefill, _, decode = target.partition(",")
+    api, bootstrap = parse_prefill(prefill)
+    pairenv = PairEnv(
+        PairOptions(
+            prefill=api, prefill_bootstrap=bootstrap, decode=decode, request_timeout=timeout
+        )
+    )
+    return pairenv, lambda log: PairCtx(pairenv, log)
+
+
+@pytest.fixture(scope="session")
+def pdwire_testee(request: pytest.FixtureRequest) -> Iterator[Testee]:
+    testee = Testee(request.config)
+    yield testee
+    testee.close()

@@ -1,0 +1,76 @@
+"""Which cases check which requirement: the traceability table, and the MUSTs no case covers.
+
+``pdwire conformance trace`` prints it (``--markdown`` for the docs); a test fails when a MUST of
+the spec has no case, unless ``UNCOVERED`` names it with the reason no case can observe it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Final
+
+from .case import Case, all_cases
+from .requirements import Level, Requirement, catalogue
+
+#: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
+#: when a case covers it (a test fails on a stale entry).
+UNCOVERED: Final[dict[str, str]] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    requirement: Requirement
+    cases: tuple[str, ...]
+
+    @property
+    def covered(self) -> bool:
+        return bool(self.cases)
+
+
+def table(cases: Sequence[Case] | None = None) -> list[Row]:
+    """Every requirement of the spec, in spec order, with the ids of the cases that cover it."""
+    chosen = all_cases() if cases is None else cases
+    by_req: dict[str, list[str]] = {}
+    for c in chosen:
+        for req in c.covers:
+            by_req.setdefault(req, []).append(c.id)
+    return [Row(r, tuple(by_req.get(r.id, ()))) for r in catalogue().values()]
+
+
+def uncovered_musts(rows: Sequence[Row]) -> list[Requirement]:
+    return [r.requirement for r in rows if r.requirement.level is Level.MUST and not r.covered]
+
+
+def counts(cases: Sequence[Case] | None = None) -> dict[str, dict[str, int]]:
+    """Cases per level and per chapter, and requirements covered per level."""
+    chosen = all_cases() if cases is None else cases
+    by_level: dict[str, int] = {}
+    by_chapter: dict[str, int] = {}
+    for c in chosen:
+        by_level[c.level.value] = by_level.get(c.level.value, 0) + 1
+        chapter = c.section.split(".")[0]
+        by_chapter[chapter] = by_chapter.get(chapter, 0) + 1
+    covered: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for row in table(chosen):
+        level = row.requirement.level.value
+        total[level] = total.get(level, 0) + 1
+        covered[level] = covered.get(level, 0) + row.covered
+    return {
+        "cases_by_level": by_level,
+        "cases_by_chapter": dict(sorted(by_chapter.items(), key=lambda kv: int(kv[0]))),
+        "requirements": total,
+        "requirements_covered": covered,
+    }
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    lines = ["| requirement | level | cases |", "|---|---|---|"]
+    for row in rows:
+        r = row.requirement
+        cases = ", ".join(f"`{c}`" for c in row.cases)
+        if not cases:
+            cases = f"none: {UNCOVERED[r.id]}" if r.id in UNCOVERED else "none"
+        lines.append(f"| {r.id} | {r.level.value} | {cases} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,168 @@
+"""The harness's own machinery, without a testee: the requirement catalogue, case registration,
+verdicts, known-failing and known-flaky lists, reports and the traceability table."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance import case as case_module
+from conformance import traceability
+from conformance.case import Case, Skip, Suite, Unsupported, Verdict, case, expect
+from conformance.report import write_html, write_json, write_junit
+from conformance.requirements import CATALOGUE, Level, dump, get, parse, parse_spec
+from conformance.runner import RunOptions, exit_code, read_list, run_case, select, summary
+
+
+def test_catalogue_is_the_spec() -> None:
+    """requirements.json is what spec/ says (pdwire conformance requirements --write)."""
+    assert CATALOGUE.read_text(encoding="utf-8") == dump(parse_spec())
+
+
+def test_parse_takes_id_level_text_and_pdwire2_mark() -> None:
+    md = (
+        "- **3.9-R1** A sender MUST NOT do this,\n  across two lines.\n"
+        "- **3.9-R2** A receiver SHOULD do that.\n\n"
+        "- **10.99.1** *(pdwire/2)* P MAY do so.\n"
+        "- **3.9-R3** no keyword here.\n"
+    )
+    reqs = parse(md)
+    assert [(r.id, r.section, r.level, r.pdwire2) for r in reqs] == [
+        ("3.9-R1", "3.9", Level.MUST, False),
+        ("3.9-R2", "3.9", Level.SHOULD, False),
+        ("10.99.1", "10.99", Level.MAY, True),
+    ]
+    assert reqs[0].text == "A sender MUST NOT do this, across two lines."
+    assert reqs[2].text == "P MAY do so."
+
+
+async def _noop(ctx: Any) -> None:
+    return None
+
+
+def test_case_ids_must_match_their_requirement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(case_module, "REGISTRY", {})
+    with pytest.raises(ValueError, match="is not <producer"):
+        case("nonsense/3.2/1", "3.2-R1")
+    with pytest.raises(ValueError, match=r"its requirement 3\.2-R1 in 3\.2"):
+        case("producer/3.4/1", "3.2-R1")
+    with pytest.raises(KeyError, match="no requirement"):
+        case("producer/3.2/1", "3.2-R99")
+    case("producer/3.2/1", "3.2-R1", covers=("3.2-R3",))(_noop)
+    with pytest.raises(ValueError, match="defined twice"):
+        case("producer/3.2/1", "3.2-R1")(_noop)
+    registered = case_module.REGISTRY["producer/3.2/1"]
+    assert registered.covers == ("3.2-R1", "3.2-R3")
+    assert registered.suite is Suite.PRODUCER and registered.level is Level.MUST
+
+
+def _case(req: str, func: Callable[[Any], Awaitable[None]], timeout: float = 1.0) -> Case:
+    r = get(req)
+    return Case(f"producer/{r.section}/1", Suite.PRODUCER, r, (r.id,), "t", timeout, func)
+
+
+async def _fails(ctx: Any) -> None:
+    expect(False, "seen wrong")
+
+
+async def _hangs(ctx: Any) -> None:
+    await asyncio.Event().wait()
+
+
+async def _unsupported(ctx: Any) -> None:
+    raise Unsupported("no such capability")
+
+
+async def _skips(ctx: Any) -> None:
+    raise Skip("no timer value")
+
+
+async def _raises(ctx: Any) -> None:
+    raise ConnectionResetError("peer gone")
+
+
+MUST, SHOULD, MAY = "3.2-R1", "3.2-R9", "10.7.7"
+
+
+@pytest.mark.parametrize(
+    ("req", "func", "strict", "verdict", "detail"),
+    [
+        (MUST, _noop, False, Verdict.PASS, ""),
+        (MUST, _fails, False, Verdict.FAIL, "seen wrong"),
+        (SHOULD, _fails, False, Verdict.NON_STRICT, "seen wrong"),
+        (SHOULD, _fails, True, Verdict.FAIL, "seen wrong"),
+        (MAY, _fails, True, Verdict.INFORMATIONAL, "seen wrong"),
+        (MUST, _hangs, False, Verdict.FAIL, "timed out after 0.1s"),
+        (MUST, _unsupported, False, Verdict.UNSUPPORTED, "no such capability"),
+        (MUST, _skips, False, Verdict.SKIPPED, "no timer value"),
+        (MUST, _raises, False, Verdict.FAIL, "ConnectionResetError: peer gone"),
+    ],
+)
+def test_verdicts(
+    req: str, func: Callable[[Any], Awaitable[None]], strict: bool, verdict: Verdict, detail: str
+) -> None:
+    c = _case(req, func, timeout=0.1)
+    result = asyncio.run(run_case(c, lambda log: None, RunOptions(strict=strict)))
+    assert result.verdict is verdict
+    assert detail in result.detail
+    assert result.unexpected is (verdict is Verdict.FAIL)
+
+
+def test_known_failing_and_flaky() -> None:
+    failing, passing = _case(MUST, _fails), _case(MUST, _noop)
+    known = RunOptions(known_failing=frozenset({"producer/3.2/*"}))
+    r_fail = asyncio.run(run_case(failing, lambda log: None, known))
+    r_pass = asyncio.run(run_case(passing, lambda log: None, known))
+    assert r_fail.verdict is Verdict.FAIL and not r_fail.unexpected
+    assert r_pass.verdict is Verdict.PASS and r_pass.unexpected  # the list is stale
+    assert exit_code([r_fail]) == 0 and exit_code([r_fail, r_pass]) == 1
+    flaky = RunOptions(known_flaky=frozenset({"producer/3.2/1"}))
+    r_flaky = asyncio.run(run_case(failing, lambda log: None, flaky))
+    assert r_flaky.verdict is Verdict.FAIL and not r_flaky.unexpected
+
+
+def test_lists_and_globs(tmp_path: Path) -> None:
+    path = tmp_path / "known.txt"
+    path.write_text("producer/3.2/1  # the reason\n\n# a comment\nconsumer/*\n")
+    assert read_list(path) == {"producer/3.2/1", "consumer/*"}
+    cs = [_case(MUST, _noop), _case("3.4-R1", _noop)]
+    assert [c.id for c in select(cs, ["producer/3.4/*"])] == ["producer/3.4/1"]
+    assert len(select(cs, None)) == 2 and len(select(cs, ["producer/3.2/1,producer/3.4/1"])) == 2
+
+
+def test_reports(tmp_path: Path) -> None:
+    results = [
+        asyncio.run(run_case(_case(MUST, f), lambda log: None, RunOptions()))
+        for f in (_noop, _fails, _skips)
+    ]
+    results[1].log.sent("zmq tcp://127.0.0.1:1", "a pull", {"req_blocks": {}})
+    testee = {"role": "producer", "api": "http://127.0.0.1:1"}
+    write_json(tmp_path / "r.json", results, testee)
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["summary"] == summary(results) and doc["summary"]["fail"] == 1
+    keys = {"id", "section", "level", "verdict", "requirement", "duration_s", "detail"}
+    assert all(keys <= set(c) for c in doc["cases"])
+    assert doc["cases"][1]["wirelog"][0]["what"] == "a pull"
+    write_junit(tmp_path / "r.xml", results, testee)
+    suite = ET.parse(tmp_path / "r.xml").getroot().find("testsuite")
+    assert suite is not None and suite.get("tests") == "3" and suite.get("failures") == "1"
+    assert suite.get("skipped") == "1"
+    write_html(tmp_path / "r.html", results, testee)
+    page = (tmp_path / "r.html").read_text()
+    assert "seen wrong" in page and "a pull" in page
+    assert "<script src" not in page and "<link" not in page  # one self-contained file
+
+
+def test_traceability_table_lists_every_requirement() -> None:
+    rows = traceability.table([_case(MUST, _noop)])
+    assert len(rows) == len(parse_spec())
+    covered = [r for r in rows if r.covered]
+    assert [r.requirement.id for r in covered] == [MUST]
+    assert MUST not in {r.id for r in traceability.uncovered_musts(rows)}
+    assert "| 3.2-R1 | MUST | `producer/3.2/1` |" in traceability.markdown(rows)
