@@ -41,7 +41,8 @@ _UPGRADED_BLOCKS: Final = "$.req_blocks[...][1][0]"
 _FLAT_BLOCKS: Final = "$.req_blocks[...][1]"
 _BUFFERS: Final = (bytes, bytearray, memoryview)
 _ERROR: Final = int(XferResponseStatus.ERROR)
-_REGION_LISTS: Final = (
+#: The per-region lists of a pull (3.2-R2): one entry per registered region, or none.
+REGION_LISTS: Final = (
     "block_lens",
     "kv_block_lens",
     "registered_layer_names",
@@ -50,7 +51,7 @@ _REGION_LISTS: Final = (
     "registered_shared_group_ids",
     "registered_row_offsets",
 )
-_region_lists: Final = operator.attrgetter(*_REGION_LISTS)
+_region_lists: Final = operator.attrgetter(*REGION_LISTS)
 _AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `(?P<path>[^`]*)`)?$", re.DOTALL)
 _MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]*)`$")
 
@@ -286,7 +287,7 @@ def _check_pull(m: XferMetadata) -> Problem:
             "$.remote_tp_rank",
             f"TP rank {m.remote_tp_rank} is not below TP size {m.remote_tp_size}",
         )
-    for name, k in zip(_REGION_LISTS, map(len, _region_lists(m)), strict=True):
+    for name, k in zip(REGION_LISTS, map(len, _region_lists(m)), strict=True):
         if k and k != n:
             return f"$.{name}", f"{k} entries for {n} regions (must be {n} or absent)"
     return None

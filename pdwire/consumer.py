@@ -145,7 +145,8 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 )
             load = self._loads[req.d_req_id] = _Load(req)
             if self.config.profile == PDWIRE_2:
-                load.deadline = now + self.config.deadline
+                budget = req.deadline_ms / 1000 if req.deadline_ms > 0 else self.config.deadline
+                load.deadline = now + budget
                 self._push(load.deadline, "deadline", req.d_req_id)
             by_engine[req.engine_id].append(req)
         for engine_id, reqs in by_engine.items():
@@ -177,8 +178,17 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         if entry is None or entry.engine_id != engine_id:
             return f"remote engine_id {engine_id} not found from bootstrap server {addr}"
         tp = entry.tp_size or len(entry.worker_addr)
-        if entry.tp_size is not None and len(entry.worker_addr) < entry.tp_size:
-            return f"remote engine_id {engine_id} has {len(entry.worker_addr)} of {tp} TP ranks"
+        pp = entry.pp_size or len(next(iter(entry.worker_addr.values()), {}))
+        # 4.2-R6, 4.2-R8: every TP rank below tp, each with every PP rank below pp.
+        complete = set(entry.worker_addr) >= set(range(tp)) and all(
+            set(entry.worker_addr.get(t, {})) >= set(range(pp)) for t in range(tp)
+        )
+        if not complete:
+            ranks = {t: sorted(by_pp) for t, by_pp in sorted(entry.worker_addr.items())}
+            return (
+                f"remote engine_id {engine_id} is incomplete: TP ranks and their PP ranks "
+                f"{ranks} for TP {tp} x PP {pp}"
+            )
         try:
             target_ranks(self.config.side.tp_size, self.config.side.tp_rank, tp)
         except ValueError:

@@ -71,6 +71,7 @@ class LoadRequest:
     engine_id: str
     bootstrap_addr: str
     blocks: list[list[int]]
+    deadline_ms: int = 0  # pdwire/2: the D leg's budget left for this load (5.2-R4); 0 = none
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

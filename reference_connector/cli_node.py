@@ -96,6 +96,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="start with one deliberate defect, to show a conformance case can fail "
         "(--list-mutants names them); never for anything else",
     )
+    p.add_argument(
+        "--mutant-control",
+        action="store_true",
+        help="serve POST /pdwire/mutant, which switches mutants on and off while the node runs",
+    )
     p.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
     p.set_defaults(func=run)
     return p
@@ -103,16 +108,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the node failed, 2 on bad usage."""
+    if args.list_mutants:  # before the node's modules load: they bring torch
+        from . import mutants
+
+        for m in mutants.MUTANTS.values():
+            own = "own-node" if m.node else "switchable"
+            print(f"{m.name:<28} {m.role:<8} {own:<10} {m.defect}")
+        return 0
     from .kv_content import KVShape
     from .node import NodeConfig, NodeServer, Policy
     from .node_worker import Role, WorkerError
 
-    if args.list_mutants:
-        from . import mutants
-
-        for m in mutants.MUTANTS.values():
-            print(f"{m.name:<24} {m.role:<8} {m.defect}")
-        return 0
     if args.role is None:
         print("pdwire node: --role is required", file=sys.stderr)
         return 2
@@ -161,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
             receive_timeout=args.receive_timeout,
             mutant=args.mutant,
             verify_kv=not args.no_verify_kv,
+            mutant_control=args.mutant_control,
         )
         if overrides:
             config = dataclasses.replace(config, **overrides)

@@ -40,6 +40,7 @@ from pdwire.events import (
 from pdwire.http_models import EngineEntry
 from pdwire.messages import ErrorCode
 from pdwire.planning import Side
+from pdwire.transitions import LoadState
 
 from . import bootstrap_client
 from .loop_thread import DeadlineTimer, LoopThread, run_callback
@@ -154,8 +155,17 @@ class ConsumerAgent:
         """Load these requests (one engine step's batch)."""
         self._thread.call(self._feed, LoadsRequested(tuple(requests)))
 
-    def abort(self, d_req_id: str) -> None:
-        self._thread.call(self._feed, AbortRequested(d_req_id))
+    def abort(self, d_req_id: str, on_unsent: OnReleased | None = None) -> None:
+        """Give up loading ``d_req_id``. ``on_unsent(d_req_id)`` runs (on the loop thread) when
+        no pull carried its blocks yet: the session then only asks P to release, and reports
+        nothing more for it, so the blocks are the engine's again at once."""
+        self._thread.call(self._abort, d_req_id, on_unsent)
+
+    def _abort(self, d_req_id: str, on_unsent: OnReleased | None) -> None:
+        unsent = self._session.state_of(d_req_id) is LoadState.RESOLVING
+        self._feed(AbortRequested(d_req_id))
+        if unsent and on_unsent is not None and not self._closed:
+            run_callback("on_unsent", on_unsent, d_req_id)
 
     @property
     def pulls_sent(self) -> int:

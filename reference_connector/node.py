@@ -6,8 +6,9 @@ with the tokens the workers' KV digests give (``kv_content``):
 
 - prefill node, ``{do_remote_decode: true, transfer_id}``: each worker announces the transfer,
   computes its KV slice into the blocks, then finishes it (or, when the one token generated is
-  the stop token, says it will not send). The answer is that token with
-  ``kv_transfer_params: null``; the blocks are freed when every worker's agent frees them.
+  the stop token or one of the request's ``stop_token_ids``, says it will not send). The answer
+  is that token with ``kv_transfer_params: null``; the blocks are freed when every worker's
+  agent frees them.
 - decode node, ``{do_remote_prefill: true, remote_bootstrap_addr, remote_engine_id,
   transfer_id}``: each worker loads its slice from P, then checks it byte for byte against the
   prompt's KV; then it decodes. A failed load follows the load-failure policy.
@@ -31,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from pdwire.versions import PDWIRE_2, Profile
+from pdwire.versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
 
 from .bootstrap import BootstrapServer
 from .http_server import AppServer
@@ -54,6 +55,7 @@ Policy = Literal["fail", "recompute"]
 DEFAULT_BOOTSTRAP_PORT: Final = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default
 _ALLOC_POLL_S: Final = 0.005
 _SETTLE_S: Final = 10.0  # how long a failed load's blocks may take to be released
+_DEADLINE_GRACE_S: Final = 1.0  # past a D leg's deadline_ms, before the front aborts itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,7 @@ class NodeConfig:
     receive_timeout: float | None = None  # decode: per pull; None = abort_timeout + 60 (3.1-R8)
     mutant: str = ""  # applied in every worker; the front applies it itself (cli_node)
     verify_kv: bool = True  # decode: fail a load whose bytes are not the prompt's KV
+    mutant_control: bool = False  # serve POST /pdwire/mutant (testing the harness only)
 
 
 class NodeError(Exception):
@@ -94,6 +97,7 @@ class Job:
     ids: list[int]
     max_tokens: int
     params: dict[str, Any] | None
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids: a generated one ends the request
 
 
 @dataclasses.dataclass
@@ -103,6 +107,8 @@ class Generation:
     prompt_tokens: int
     tokens: AsyncIterator[int]
     finish: str = "length"
+    stop_token: int | None = None  # the token that ended the request with "stop" (not yielded)
+    stop_reason: int | None = None  # that token, when it was one of stop_token_ids
     kv_transfer_params: dict[str, Any] | None = None
     pdwire: dict[str, Any] = dataclasses.field(default_factory=dict)
     cleanup: Callable[[], None] = lambda: None
@@ -209,6 +215,17 @@ class NodeEngine:
         if self._bootstrap is not None:
             self._bootstrap.stop()
 
+    async def set_mutant(self, name: str) -> None:
+        """Apply mutant ``name`` ("" = none) in this process and in every worker."""
+        from . import mutants
+
+        if name:
+            m = mutants.get(name)
+            if m.role != self.config.role or m.node:
+                raise ValueError(f"mutant {name} needs a {m.role} node of its own")
+        mutants.apply(name)
+        await self._all("mutant", name)
+
     def healthy(self) -> bool:
         up = bool(self.workers) and all(w.alive for w in self.workers)
         return up and (self._bootstrap is None or self._bootstrap.alive)
@@ -225,9 +242,14 @@ class NodeEngine:
 
         with self._lock:
             held = len(self._sends)
+        fingerprint = self.workers[0].spec.fingerprint() if self.workers else None
         return {
             "role": c.role,
             "engine_id": self.engine_id,
+            "profile": c.profile,
+            "pdwire_version": WIRE_VERSION[c.profile],
+            "pdwire_caps": sorted(ALL_CAPS) if c.profile == PDWIRE_2 else [],
+            "fingerprint": dataclasses.asdict(fingerprint) if fingerprint else None,
             "bootstrap_url": self.bootstrap_url,
             "tp_size": c.tp_size,
             "pp_size": c.pp_size,
@@ -385,8 +407,8 @@ class NodeEngine:
         try:
             for i in range(job.max_tokens):
                 token = next_token(table, length, vocab)
-                if token == EOS:
-                    gen.finish = "stop"
+                if token == EOS or token in job.stop_ids:
+                    _stopped(gen, job, token)
                     return
                 yield token
                 if i + 1 < job.max_tokens:
@@ -431,11 +453,14 @@ class NodeEngine:
         if rejected is not None:
             self.allocator.free(blocks)
             raise NodeError(400, f"{rejected[0]}: {rejected[1]}")
-        await self._all("finish", job.req, transfer_id, blocks, token != EOS)
+        # A stop token as the only token: P will not send (§10.11.1).
+        stop = token == EOS or token in job.stop_ids
+        await self._all("finish", job.req, transfer_id, blocks, not stop)
         self.counts["remote"] += 1
-        out = [] if token == EOS else [token]
-        gen = Generation(len(job.ids), _iterate(out), finish="stop" if token == EOS else "length")
-        gen.pdwire = {"sent": token != EOS, "timings_ms": timings}
+        gen = Generation(len(job.ids), _iterate([] if stop else [token]))
+        if stop:
+            _stopped(gen, job, token)
+        gen.pdwire = {"sent": not stop, "timings_ms": timings}
         return gen
 
     # -- decode node: load -------------------------------------------------------------------
@@ -503,10 +528,14 @@ class NodeEngine:
         """Load and verify; return (failure, verified, bytes verified, digest table)."""
         t0 = time.perf_counter()
         engine_id, addr = str(p["remote_engine_id"]), str(p["remote_bootstrap_addr"])
-        await self._all("load", job.req, str(p["transfer_id"]), engine_id, addr, blocks)
         timeout = self.config.load_timeout
+        budget_ms = 0  # 5.2-R4: the D leg's deadline, counted from the request's arrival
         if isinstance(p.get("deadline_ms"), int) and p["deadline_ms"] > 0:
-            timeout = min(timeout, p["deadline_ms"] / 1000)
+            budget_ms = max(1, int(p["deadline_ms"] - timings["queue"]))
+            # The workers' sessions end the load at the deadline; this wait is the backstop.
+            timeout = min(timeout, budget_ms / 1000 + _DEADLINE_GRACE_S)
+        tid = str(p["transfer_id"])
+        await self._all("load", job.req, tid, engine_id, addr, blocks, budget_ms)
         outcomes = await self._outcomes(job.req, load, timeout)
         timings["load"] = _ms(t0)
         failures = [o for o in outcomes if o[0] != "loaded"]
@@ -567,6 +596,11 @@ class NodeEngine:
         logger.info("request %s: parked blocks released", req)
 
 
+def _stopped(gen: Generation, job: Job, token: int) -> None:
+    gen.finish, gen.stop_token = "stop", token
+    gen.stop_reason = token if token in job.stop_ids else None
+
+
 async def _empty() -> AsyncIterator[int]:
     return
     yield  # pragma: no cover
@@ -607,6 +641,17 @@ def _prompt_ids(body: dict[str, Any], vocab: int, chat: bool) -> list[int]:
     raise NodeError(400, "prompt must be a string or a list of token ids")
 
 
+def _stop_ids(body: dict[str, Any]) -> frozenset[int]:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
+        raise NodeError(400, f"stop_token_ids must be a list of integers, got {value!r}")
+    return frozenset(value)
+
+
 def _max_tokens(body: dict[str, Any]) -> int:
     value = body.get("max_tokens")
     if value is None:
@@ -633,14 +678,16 @@ class _Reply:
             "model": self.model,
         }
 
-    def _choice(self, text: str, finish: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(
+        self, text: str, finish: str | None, delta: bool, stop_reason: int | None = None
+    ) -> dict[str, Any]:
         if not self.chat:
             return {
                 "index": 0,
                 "text": text,
                 "logprobs": None,
                 "finish_reason": finish,
-                "stop_reason": None,
+                "stop_reason": stop_reason,
             }
         key = "delta" if delta else "message"
         return {
@@ -648,7 +695,7 @@ class _Reply:
             key: {"role": "assistant", "content": text},
             "logprobs": None,
             "finish_reason": finish,
-            "stop_reason": None,
+            "stop_reason": stop_reason,
         }
 
     def _tail(self, gen: Generation, count: int) -> dict[str, Any]:
@@ -664,13 +711,19 @@ class _Reply:
             tail["pdwire"] = gen.pdwire
         return tail
 
-    def whole(self, gen: Generation, tokens: list[int]) -> dict[str, Any]:
-        text = render(tokens)
-        return {
-            **self._head(self.object),
-            "choices": [self._choice(text, gen.finish, False)],
-            **self._tail(gen, len(tokens)),
-        }
+    def whole(
+        self, gen: Generation, tokens: list[int], prompt_ids: list[int] | None = None
+    ) -> dict[str, Any]:
+        """The body of a non-streamed completion; with ``prompt_ids`` (vLLM's
+        ``return_token_ids``) the choice carries ``token_ids``, the generated ids (the stop
+        token included), and the body ``prompt_token_ids``."""
+        choice = self._choice(render(tokens), gen.finish, False, gen.stop_reason)
+        body: dict[str, Any] = {**self._head(self.object), "choices": [choice]}
+        if prompt_ids is not None:
+            stop = [] if gen.stop_token is None else [gen.stop_token]
+            choice["token_ids"] = tokens + stop
+            body["prompt_token_ids"] = prompt_ids
+        return {**body, **self._tail(gen, len(tokens))}
 
     async def stream(self, gen: Generation) -> AsyncIterator[bytes]:
         chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
@@ -683,7 +736,7 @@ class _Reply:
                 yield f"data: {json.dumps(body)}\n\n".encode()
             last = {
                 **self._head(chunk_object),
-                "choices": [self._choice("", gen.finish, True)],
+                "choices": [self._choice("", gen.finish, True, gen.stop_reason)],
                 **self._tail(gen, count),
             }
             yield f"data: {json.dumps(last)}\n\n".encode()
@@ -723,6 +776,19 @@ def create_app(engine: NodeEngine) -> FastAPI:
     async def stats() -> dict[str, Any]:
         return await engine.stats()
 
+    if engine.config.mutant_control:
+
+        @app.post("/pdwire/mutant")
+        async def set_mutant(request: Request) -> Response:
+            """Switch the node to one mutant, or back to none (testing the harness only)."""
+            body = await request.json()
+            name = body.get("name", "") if isinstance(body, dict) else ""
+            try:
+                await engine.set_mutant(str(name or ""))
+            except (KeyError, ValueError) as exc:
+                return _error(NodeError(409, str(exc.args[0]), "ConflictError"))
+            return JSONResponse({"mutant": name or None})
+
     async def complete(request: Request, chat: bool) -> Response:
         try:
             body = await request.json()
@@ -739,6 +805,7 @@ def create_app(engine: NodeEngine) -> FastAPI:
                 _prompt_ids(body, engine.config.shape.vocab, chat),
                 _max_tokens(body),
                 params if isinstance(params, dict) else None,
+                _stop_ids(body),
             )
             gen = await engine.generate(job)
         except NodeError as exc:
@@ -761,7 +828,8 @@ def create_app(engine: NodeEngine) -> FastAPI:
         finally:
             gen.cleanup()
         engine.counts["ok"] += 1
-        return JSONResponse(reply.whole(gen, tokens))
+        prompt_ids = job.ids if body.get("return_token_ids") is True else None
+        return JSONResponse(reply.whole(gen, tokens, prompt_ids))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

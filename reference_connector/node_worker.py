@@ -176,10 +176,17 @@ class _Worker:
             self._agent().transfer_will_not_send(transfer_id, req, "stop token")
 
     def op_load(
-        self, req: str, transfer_id: str, engine_id: str, bootstrap_addr: str, blocks: list[int]
+        self,
+        req: str,
+        transfer_id: str,
+        engine_id: str,
+        bootstrap_addr: str,
+        blocks: list[int],
+        deadline_ms: int = 0,
     ) -> None:
         self._pool().zero(blocks)  # stale bytes must not pass verification
-        self._agent().load([LoadRequest(req, transfer_id, engine_id, bootstrap_addr, [blocks])])
+        load = LoadRequest(req, transfer_id, engine_id, bootstrap_addr, [blocks], deadline_ms)
+        self._agent().load([load])
 
     def op_abort(self, req: str) -> None:
         if self.agent is not None:
@@ -204,6 +211,11 @@ class _Worker:
 
     def op_free(self, req: str) -> None:
         self._digests.pop(req, None)
+
+    def op_mutant(self, name: str) -> None:
+        from . import mutants
+
+        mutants.apply(name)
 
     def op_stats(self) -> dict[str, Any]:
         s = self.spec

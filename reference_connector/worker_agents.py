@@ -124,6 +124,7 @@ class ReferenceAgent:
         consumer_agent: type[ConsumerAgent] = ConsumerAgent,
     ) -> None:
         s = ctx.spec
+        self._emit = ctx.emit
         self.transport = CountingTransport(s.host)
         self.producer: ProducerAgent | None = None
         self.consumer: ConsumerAgent | None = None
@@ -198,7 +199,11 @@ class ReferenceAgent:
 
     def abort(self, d_req_id: str) -> None:
         if self.consumer is not None:
-            self.consumer.abort(d_req_id)
+            # Aborted before any pull carried its blocks: they are the node's again at once.
+            self.consumer.abort(d_req_id, on_unsent=self._unsent)
+
+    def _unsent(self, d_req_id: str) -> None:
+        self._emit("event", "failed", d_req_id, "CANCELLED", "aborted before any pull", True)
 
     def stats(self) -> dict[str, Any]:
         t = self.transport

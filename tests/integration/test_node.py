@@ -282,6 +282,36 @@ def test_stop_token_recomputes_under_policy_recompute(cluster: Cluster) -> None:
     assert dr["choices"][0]["text"] == cluster.local_text("d_tp2", prompt)
 
 
+def test_stop_token_ids_and_return_token_ids(cluster: Cluster) -> None:
+    """vLLM's request fields: return_token_ids gives the generated and the prompt's ids; a
+    generated token in stop_token_ids ends the request with "stop", and on a P leg P will not
+    send, so D fails at once."""
+    prompt = probe(stop=False)
+    ids = tokenize(prompt, SHAPE.vocab)
+    plain = cluster.complete("p1", prompt, 1).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain
+    body = cluster.complete("p1", prompt, 1, return_token_ids=True).json()
+    first = body["choices"][0]["token_ids"]
+    assert first == reference_completion(SHAPE, ids, 1) and body["prompt_token_ids"] == ids
+    stopped = cluster.complete("d1", prompt, return_token_ids=True, stop_token_ids=first).json()
+    choice = stopped["choices"][0]
+    assert choice["text"] == "" and choice["finish_reason"] == "stop"
+    assert choice["stop_reason"] == first[0] and choice["token_ids"] == first
+    tid = f"xfer-{uuid.uuid4()}"
+    kv = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+    p_reply = cluster.complete("p1", prompt, 1, kv_transfer_params=kv, stop_token_ids=first)
+    assert p_reply.status_code == 200, p_reply.text
+    assert p_reply.json()["choices"][0]["finish_reason"] == "stop"
+    assert p_reply.json()["pdwire"]["sent"] is False
+    params = cluster.decode_params("p1", tid)
+    d_reply, took = _timed(lambda: cluster.complete("d1", prompt, kv_transfer_params=params))
+    assert d_reply.status_code == 500, d_reply.text
+    message = d_reply.json()["message"]
+    assert message == f"KV load failed: WILL_NOT_SEND: {error_strings.WILL_NOT_SEND}"
+    assert took < 2.0
+    assert cluster.complete("p1", prompt, 1, stop_token_ids=[True]).status_code == 400
+
+
 def test_unknown_engine_fails_fast(cluster: Cluster) -> None:
     prompt = probe(stop=False)
     params = {**cluster.decode_params("p1", f"xfer-{uuid.uuid4()}"), "remote_engine_id": "nope"}
@@ -292,10 +322,11 @@ def test_unknown_engine_fails_fast(cluster: Cluster) -> None:
 
 
 def test_deadline_ms_aborts_a_load_that_p_never_serves(cluster: Cluster) -> None:
-    """P never sees the request: D gives up at deadline_ms, withdraws its pull and fails."""
+    """P never sees the request: D's session gives up at deadline_ms (5.2-R4), withdraws its pull
+    and fails."""
     prompt = probe(stop=False)
     params = {**cluster.decode_params("p1", f"xfer-{uuid.uuid4()}"), "deadline_ms": 300}
     d_reply, took = _timed(lambda: cluster.complete("d1", prompt, kv_transfer_params=params))
     assert d_reply.status_code == 500, d_reply.text
-    assert d_reply.json()["message"] == "KV load failed: CANCELLED: aborted"
+    assert d_reply.json()["message"] == "KV load failed: DEADLINE_EXCEEDED: deadline"
     assert 0.3 <= took < 2.0

@@ -22,6 +22,7 @@ from pdwire.events import (
     RequestLoaded,
     SendPull,
 )
+from pdwire.http_models import EngineEntry
 from pdwire.transitions import LoadState
 from pdwire.versions import ALL_CAPS, LEGACY
 
@@ -559,3 +560,32 @@ def test_an_unanswered_pull_makes_d_query_the_bootstrap_again(
     out = c(LoadsRequested((load("r2"),)))
     assert (of_type(out, QueryBootstrap) == [QueryBootstrap("e0", BOOT)]) is queries_again
     assert (len(pulls(out)) == 1) is not queries_again
+
+
+def test_the_d_legs_deadline_ms_is_the_requests_deadline() -> None:
+    """5.2-R4, 3.2-R17: a load carrying the D leg's budget (deadline_ms) ends at that budget,
+    not at D's default deadline, and its pulls say how much of it is left."""
+    c = Driver(consumer(tp=2, rank=1, pp=1))
+    short = LoadRequest("r1", "x-r1", "e0", BOOT, [[1, 2]], deadline_ms=500)
+    (pull,) = started(c, short, at=5)
+    assert decode_pull(pull.data).deadline_ms == 500
+    assert reports(c.advance(5.49)) == []
+    out = c.advance(5.5)
+    assert reports(out) == [
+        RequestFailed("r1", ErrorCode.DEADLINE_EXCEEDED, "deadline", blocks_free=False)
+    ]
+
+
+def test_a_legacy_entry_with_a_gap_in_its_tp_ranks_fails_the_batch() -> None:
+    """4.2-R5/R6, 10.1.5: a legacy /query entry whose TP keys are not 0..n-1 (a rank has not
+    registered yet) cannot be paired: the batch fails at once instead of hanging, and the entry
+    is not cached."""
+    c = Driver(consumer())
+    c(LoadsRequested((load("r1"),)))
+    gap = EngineEntry(engine_id="e0", worker_addr={0: {0: "tcp://p0:1"}, 2: {0: "tcp://p2:1"}})
+    out = c(EngineResolved("e0", gap))
+    assert pulls(out) == []
+    (failed,) = of_type(out, RequestFailed)
+    assert failed.d_req_id == "r1" and "TP ranks" in failed.reason
+    again = c(LoadsRequested((load("r2"),)))  # not cached: D asks the bootstrap server again
+    assert of_type(again, QueryBootstrap) == [QueryBootstrap("e0", BOOT)]
