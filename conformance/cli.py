@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import Any
 
 from .case import Case, Suite, all_cases
@@ -141,6 +142,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common(pair)
     pair.set_defaults(func=cmd_pair)
 
+    from .matrix import add_matrix_parser
+    from .preflight import add_preflight_parser
+
+    add_preflight_parser(sub)
+    add_matrix_parser(sub)
+
     me = sub.add_parser(
         "self",
         help="start the reference testees and run every suite against them",
@@ -157,7 +164,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common(me)
     me.set_defaults(func=cmd_self)
 
-    mut = sub.add_parser("mutants", help="list the reference testee's mutants, one a line")
+    mut = sub.add_parser(
+        "mutants",
+        help="list the reference testee's mutants, one a line; --check shows each is caught",
+        description="Without --check: the names of the mutants of the reference testee that "
+        "the cases name, one a line. With --check: start the reference testees and run each "
+        "mutant (all, or those named) against the cases that name it; every such case must "
+        "fail (SHOULD cases are run as --strict). Exit 0 only when every mutant is caught.",
+    )
+    mut.add_argument("names", nargs="*", metavar="NAME", help="the mutants to check (all)")
+    mut.add_argument("--check", action="store_true", help="run them, not just list them")
+    mut.add_argument("--json", metavar="PATH", help="write each mutant's verdicts as JSON")
+    mut.add_argument(
+        "--timeout",
+        type=float,
+        default=3.0,
+        metavar="S",
+        help="seconds to wait for any one reply of a testee (3)",
+    )
     mut.set_defaults(func=cmd_mutants)
 
     trace = sub.add_parser(
@@ -274,7 +298,7 @@ def _run(
     progress = Progress(len(cases), quiet=args.quiet)
     try:
         results = asyncio.run(go(cases, options, progress))
-    except RuntimeError as exc:
+    except (RuntimeError, OSError, TimeoutError) as exc:  # the testee is unreachable or broken
         print(f"pdwire conformance {suite or 'self'}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return finish(args, results, testee)
@@ -370,9 +394,52 @@ def cmd_pair(args: argparse.Namespace) -> int:
 
 
 def cmd_mutants(args: argparse.Namespace) -> int:
-    names = sorted({m for c in all_cases() for m in c.caught_by})
-    print("\n".join(names))
-    return EXIT_OK
+    cases = all_cases()
+    names = sorted({m for c in cases for m in c.caught_by})
+    if not args.check:
+        print("\n".join(names))
+        return EXIT_OK
+    from .mutation import MutantResult, check_mutants
+
+    chosen = args.names or names
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+    done = [0]
+
+    def show(r: MutantResult) -> None:
+        done[0] += 1
+        mark = "caught" if r.caught else "SURVIVED"
+        survived = {i: v for i, v in r.verdicts.items() if v != "fail"}
+        extra = f" {survived}" if survived else ""
+        print(
+            f"[{done[0]:>3}/{len(chosen)}] {mark:<8} {r.name:<28} {r.role:<8} {r.mode:<9} "
+            f"{len(r.verdicts)} case(s){extra}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        results = asyncio.run(check_mutants(chosen, cases, args.timeout, show))
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        print(f"pdwire conformance mutants: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    survivors = [r.name for r in results if not r.caught]
+    print(
+        f"{len(results)} mutants: {len(results) - len(survivors)} caught, "
+        f"{len(survivors)} survived{': ' + ', '.join(survivors) if survivors else ''}"
+    )
+    if args.json:
+        rows = [
+            {
+                "name": r.name,
+                "role": r.role,
+                "mode": r.mode,
+                "caught": r.caught,
+                "verdicts": r.verdicts,
+            }
+            for r in results
+        ]
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
+    return EXIT_FAILED if survivors else EXIT_OK
 
 
 def cmd_self(args: argparse.Namespace) -> int:

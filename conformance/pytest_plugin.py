@@ -1,9 +1,10 @@
 """The harness as a pytest plugin, so an implementation's own test suite runs the cases against
 its endpoints.
 
-Installed with pdwire (entry point ``pytest11``), it adds options and two things to use:
+Installed with pdwire (entry point ``pytest11``), it adds options and three things to use:
 
-- ``cases(glob)``: the cases to parametrize a test with;
+- a test argument ``pdwire_case``: the test runs once per case that ``--pdwire-cases`` selects;
+- ``cases(glob)``: the cases to parametrize a test with by hand;
 - the session fixture ``pdwire_testee``, whose ``check(case)`` runs one case against the testee
   the options name and turns its verdict into pytest's: pass passes; fail fails with the
   requirement and the wire log; non-strict warns (fails under ``--pdwire-strict``);
@@ -15,11 +16,8 @@ Every case at once, without writing a test::
 
 In a suite of one's own::
 
-    from conformance.pytest_plugin import cases
-
-    @pytest.mark.parametrize("case", cases("producer/3.*"), ids=str)
-    def test_pdwire(case, pdwire_testee):
-        pdwire_testee.check(case)
+    def test_pdwire(pdwire_case, pdwire_testee):
+        pdwire_testee.check(pdwire_case)
 """
 
 from __future__ import annotations
@@ -69,6 +67,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="seconds to wait for any one reply of the testee (10)",
     )
     group.addoption("--pdwire-strict", action="store_true", help="a failed SHOULD case fails")
+    group.addoption(
+        "--pdwire-cases",
+        action="append",
+        metavar="GLOB",
+        help="the cases a test taking ``pdwire_case`` runs (default: all)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A test that takes the argument ``pdwire_case`` runs once per selected case."""
+    if "pdwire_case" in metafunc.fixturenames:
+        chosen = select(all_cases(), metafunc.config.getoption("--pdwire-cases"))
+        metafunc.parametrize("pdwire_case", chosen, ids=[c.id for c in chosen])
 
 
 def cases(glob: str = "*") -> list[Case]:

@@ -11,9 +11,9 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
-from .case import Case, CaseFailed, Skip, Unsupported, Verdict, WireLog
+from .case import Case, CaseFailed, Skip, Suite, Unsupported, Verdict, WireLog
 from .requirements import Level
 
 
@@ -75,8 +75,9 @@ async def run_case(case: Case, ctx_for: Callable[[WireLog], Any], options: RunOp
     log = WireLog()
     start = time.monotonic()
     timeout = case.timeout * options.timeout_scale
+    ctx = ctx_for(log)
     try:
-        await asyncio.wait_for(case.func(ctx_for(log)), timeout)
+        await asyncio.wait_for(case.func(ctx), timeout)
         verdict, detail = Verdict.PASS, ""
     except CaseFailed as exc:
         verdict, detail = _failed_verdict(case.level, options.strict), exc.detail
@@ -92,6 +93,9 @@ async def run_case(case: Case, ctx_for: Callable[[WireLog], Any], options: RunOp
         log.note("exception", traceback.format_exc())
         verdict = _failed_verdict(case.level, options.strict)
         detail = f"{type(exc).__name__}: {exc}"
+    close = getattr(ctx, "close", None)
+    if close is not None:  # what the case started (fake peers, servers) stops with it
+        await close()
     return Result(
         case,
         verdict,
@@ -143,6 +147,31 @@ async def run_cases(
         if on_result is not None:
             on_result(result)
     return results
+
+
+class SuiteEnv(Protocol):
+    """What a suite's world does around its cases: open before them, close after them."""
+
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+async def run_suite(
+    env: SuiteEnv,
+    suite: Suite,
+    ctx_for: Callable[[WireLog], Any],
+    cases: Sequence[Case],
+    options: RunOptions,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Open ``env``, run the cases of ``suite`` in it, close it."""
+    try:
+        await env.open()
+        chosen = [c for c in cases if c.suite is suite]
+        return await run_cases(chosen, ctx_for, options, on_result)
+    finally:
+        await env.close()
 
 
 def summary(results: Iterable[Result]) -> dict[str, int]:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import dataclasses
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from pdwire.sim.geometry import Geometry
 
@@ -21,15 +23,120 @@ from .runner import Result, RunOptions
 PREFILL_TP = 2
 RECEIVE_TIMEOUT = 3.0  # the reference D's receive timeout per pull
 GEOMETRY = Geometry(testees.LAYERS, testees.KV_HEADS, testees.HEAD_DIM, testees.BLOCK_SIZE)
+DECODE_FLAGS = ("--no-verify-kv", "--receive-timeout", str(RECEIVE_TIMEOUT))
 
 
-@contextlib.contextmanager
-def _started(role: str, mutant: str, **kw: object) -> Iterator[testees.Testee]:
-    testee = testees.start_node(role, mutant=mutant, **kw)  # type: ignore[arg-type]
+def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
+    """The testees the suites of ``cases`` need."""
+    suites = {c.suite for c in cases}
+    roles: set[testees.Role] = set()
+    if suites & {Suite.PRODUCER, Suite.PAIR}:
+        roles.add("prefill")
+    if suites & {Suite.CONSUMER, Suite.PAIR}:
+        roles.add("decode")
+    return roles
+
+
+def start(role: testees.Role, mutant: str = "", mutant_control: bool = False) -> testees.Testee:
+    """A reference testee as a self run has it."""
+    if role == "prefill":
+        return testees.start_node(role, tp=PREFILL_TP, mutant=mutant, mutant_control=mutant_control)
+    return testees.start_node(
+        role, mutant=mutant, mutant_control=mutant_control, extra=DECODE_FLAGS
+    )
+
+
+@dataclasses.dataclass
+class Testbed:
+    """The reference testees of a run, by role."""
+
+    nodes: dict[testees.Role, testees.Testee] = dataclasses.field(default_factory=dict)
+
+    async def start(
+        self,
+        roles: set[testees.Role],
+        mutant: str = "",
+        role: str = "",
+        mutant_control: bool = False,
+    ) -> None:
+        """Start the nodes of ``roles`` at once (starting one is mostly waiting for its worker
+        processes); ``mutant`` goes to the node of ``role``."""
+        todo = sorted(roles)
+        got = await asyncio.gather(
+            *(
+                asyncio.to_thread(start, r, mutant if r == role else "", mutant_control)
+                for r in todo
+            ),
+            return_exceptions=True,
+        )
+        for r, node in zip(todo, got, strict=True):
+            if isinstance(node, testees.Testee):
+                self.nodes[r] = node
+        errors = [e for e in got if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
+
+    async def restart(self, role: testees.Role) -> None:
+        node = self.nodes.pop(role)
+        await asyncio.to_thread(node.stop)
+        self.nodes[role] = await asyncio.to_thread(start, role, "", True)
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(asyncio.to_thread(n.stop) for n in self.nodes.values()))
+        self.nodes.clear()
+
+
+async def run_suites(
+    bed: Testbed,
+    cases: Sequence[Case],
+    options: RunOptions,
+    on_result: Callable[[Result], None] | None,
+    timeout: float,
+) -> list[Result]:
+    """Every suite of ``cases`` whose testees ``bed`` holds, against them."""
+    wanted = {c.suite for c in cases}
+    p, d = bed.nodes.get("prefill"), bed.nodes.get("decode")
+    results: list[Result] = []
+    if Suite.PRODUCER in wanted and p is not None:
+        from .suites.producer_env import ProducerOptions
+        from .suites.run import run_producer
+
+        popts = ProducerOptions(
+            api=p.url,
+            bootstrap=p.bootstrap,
+            geometry=GEOMETRY,
+            abort_timeout=testees.ABORT_TIMEOUT,
+            request_timeout=timeout,
+        )
+        results += await run_producer(popts, cases, options, on_result)
+    if Suite.CONSUMER in wanted and d is not None:
+        from .suites.consumer_env import ConsumerOptions, run_consumer
+
+        copts = ConsumerOptions(
+            api=d.url,
+            abort_timeout=testees.ABORT_TIMEOUT,
+            receive_timeout=RECEIVE_TIMEOUT,
+            request_timeout=timeout,
+        )
+        results += await run_consumer(copts, cases, options, on_result)
+    if Suite.PAIR in wanted and p is not None and d is not None:
+        from .suites.pair_env import PairOptions, run_pair
+
+        pairopts = PairOptions(
+            prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
+        )
+        results += await run_pair(pairopts, cases, options, on_result)
+    return results
+
+
+@contextlib.asynccontextmanager
+async def testbed(roles: set[testees.Role], **kw: Any) -> AsyncIterator[Testbed]:
+    bed = Testbed()
     try:
-        yield testee
+        await bed.start(roles, **kw)
+        yield bed
     finally:
-        testee.stop()
+        await bed.stop()
 
 
 async def run_self(
@@ -39,49 +146,6 @@ async def run_self(
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    wanted = {c.suite for c in cases}
-    role = testees.mutant_roles()[mutant] if mutant else ""
-    results: list[Result] = []
-    with contextlib.ExitStack() as stack:
-        p = d = None
-        if wanted & {Suite.PRODUCER, Suite.PAIR}:
-            p = await asyncio.to_thread(
-                stack.enter_context,
-                _started("prefill", mutant if role == "prefill" else "", tp=PREFILL_TP),
-            )
-        if wanted & {Suite.CONSUMER, Suite.PAIR}:
-            extra = ("--no-verify-kv", "--receive-timeout", str(RECEIVE_TIMEOUT))
-            d = await asyncio.to_thread(
-                stack.enter_context,
-                _started("decode", mutant if role == "decode" else "", extra=extra),
-            )
-        if Suite.PRODUCER in wanted and p is not None:
-            from .suites.producer_env import ProducerOptions
-            from .suites.run import run_producer
-
-            popts = ProducerOptions(
-                api=p.url,
-                bootstrap=p.bootstrap,
-                geometry=GEOMETRY,
-                abort_timeout=testees.ABORT_TIMEOUT,
-                request_timeout=timeout,
-            )
-            results += await run_producer(popts, cases, options, on_result)
-        if Suite.CONSUMER in wanted and d is not None:
-            from .suites.consumer_env import ConsumerOptions, run_consumer
-
-            copts = ConsumerOptions(
-                api=d.url,
-                abort_timeout=testees.ABORT_TIMEOUT,
-                receive_timeout=RECEIVE_TIMEOUT,
-                request_timeout=timeout,
-            )
-            results += await run_consumer(copts, cases, options, on_result)
-        if Suite.PAIR in wanted and p is not None and d is not None:
-            from .suites.pair_env import PairOptions, run_pair
-
-            pairopts = PairOptions(
-                prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
-            )
-            results += await run_pair(pairopts, cases, options, on_result)
-    return results
+    role = testees.mutants()[mutant].role if mutant else ""
+    async with testbed(roles_for(cases), mutant=mutant, role=role) as bed:
+        return await run_suites(bed, cases, options, on_result, timeout)

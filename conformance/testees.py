@@ -52,6 +52,29 @@ class Testee:
     log_path: Path
     mutant: str = ""
 
+    def set_mutant(self, name: str, timeout: float = 30.0) -> None:
+        """Switch a node started with ``mutant_control`` to mutant ``name`` ("" = none)."""
+        response = httpx.post(f"{self.url}/pdwire/mutant", json={"name": name}, timeout=timeout)
+        if response.status_code != 200:
+            raise TesteeError(f"{self.role} node refused mutant {name!r}: {response.text}")
+        self.mutant = name
+
+    def settled(self, timeout: float) -> bool:
+        """Whether the node is healthy and holds no block within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=5.0) as http:
+            while True:
+                try:
+                    healthy = http.get(f"{self.url}/health").status_code == 200
+                    stats = http.get(f"{self.url}/pdwire/stats").json()
+                    if healthy and stats.get("blocks_in_use") == 0:
+                        return True
+                except (httpx.HTTPError, ValueError):
+                    pass
+                if time.monotonic() >= deadline or not self.alive():
+                    return False
+                time.sleep(0.1)  # polling another process's counters: nothing to await
+
     def log_tail(self, lines: int = 30) -> str:
         try:
             text = self.log_path.read_text(errors="replace")
@@ -73,17 +96,26 @@ class Testee:
         self.log_path.unlink(missing_ok=True)
 
 
-def mutant_roles() -> dict[str, Role]:
-    """The reference node's mutants and the role each is a defect of (``--list-mutants``)."""
+@dataclasses.dataclass(frozen=True)
+class MutantInfo:
+    name: str
+    role: Role
+    switchable: bool  # can be switched on in a running node (--mutant-control)
+
+
+def mutants() -> dict[str, MutantInfo]:
+    """The reference node's mutants, as its ``--list-mutants`` tells them."""
     out = subprocess.run(
         [sys.executable, "-m", "pdwire", "node", "--list-mutants"],
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
-    roles: dict[str, Role] = {}
+    found: dict[str, MutantInfo] = {}
     for line in out.splitlines():
-        name, role, *_ = line.split()
-        roles[name] = "prefill" if role == "prefill" else "decode"
-    return roles
+        name, role, mode, *_ = line.split()
+        found[name] = MutantInfo(
+            name, "prefill" if role == "prefill" else "decode", mode == "switchable"
+        )
+    return found
 
 
 def start_node(
@@ -93,15 +125,18 @@ def start_node(
     pp: int = 1,
     profile: str = "pdwire/2",
     mutant: str = "",
+    mutant_control: bool = False,
     extra: Sequence[str] = (),
     abort_timeout: float = ABORT_TIMEOUT,
+    geometry: Sequence[str] = GEOMETRY,
+    env: dict[str, str] | None = None,
     timeout: float = 120.0,
 ) -> Testee:
     """Start a reference node and wait until it answers ``/health``."""
     port = free_port()
     args = [
         sys.executable, "-m", "pdwire", "node", "--role", role, "--port", str(port),
-        "--tp", str(tp), "--pp", str(pp), "--profile", profile, *GEOMETRY,
+        "--tp", str(tp), "--pp", str(pp), "--profile", profile, *geometry,
         "--num-blocks", "256", "--abort-timeout", str(abort_timeout), *extra,
     ]  # fmt: skip
     bootstrap = ""
@@ -111,10 +146,17 @@ def start_node(
         bootstrap = f"http://127.0.0.1:{bport}"
     if mutant:
         args += ["--mutant", mutant]
+    if mutant_control:
+        args.append("--mutant-control")
     fd, name = tempfile.mkstemp(prefix=f"pdwire-testee-{role}-", suffix=".log")
-    env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+    environ = {
+        **os.environ,
+        "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
+        "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(round(abort_timeout)),
+        **(env or {}),
+    }
     with os.fdopen(fd, "wb") as log:
-        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environ)
     testee = Testee(role, f"http://127.0.0.1:{port}", bootstrap, process, Path(name), mutant)
     deadline = time.monotonic() + timeout
     with httpx.Client(timeout=2.0) as http:

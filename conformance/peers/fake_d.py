@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 import zmq
@@ -29,6 +28,7 @@ from pdwire.vectors import as_json
 
 from ..case import WireLog
 from .engine import Engine
+from .rawpack import map_keys
 
 SENTINEL: Final = 0xA5
 GUARD: Final = 4096  # sentinel bytes before the first region and after the last
@@ -53,11 +53,7 @@ class Reply:
     @property
     def keys(self) -> list[str]:
         """The top-level map keys as sent, in order ([] when not a map)."""
-        try:
-            obj = msgspec.msgpack.decode(self.data)
-        except msgspec.DecodeError:
-            return []
-        return list(obj) if isinstance(obj, dict) else []
+        return map_keys(self.data)
 
 
 @dataclasses.dataclass
@@ -234,10 +230,12 @@ async def exchange(
     log: WireLog,
     *,
     linger_after: float = 0.0,
+    on_reply: Callable[[Reply], None] | None = None,
 ) -> PullResult:
     """Send ``data`` (one frame, or several) on a new DEALER to ``addr`` and read replies until a
     terminal one or ``timeout``. With ``linger_after``, keep reading that long after the
-    terminal reply, to see whether anything more arrives."""
+    terminal reply, to see whether anything more arrives. ``on_reply`` sees each reply as it
+    arrives."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     channel = f"zmq {addr}"
@@ -276,6 +274,8 @@ async def exchange(
             log.received(
                 channel, summary, as_json(reply.msg) if reply.msg else _frames(reply.frames)
             )
+            if on_reply is not None:
+                on_reply(reply)
             terminal = reply.msg is None or reply.msg.status in TERMINAL
             if terminal and done_at is None:
                 done_at = time.monotonic()

@@ -17,8 +17,19 @@ V2_REPLY_KEYS = frozenset({"pdwire_version", "pdwire_caps", "err_code", "err_cod
 @case(
     "producer/3.4/1",
     "3.4-R17",
-    covers=("3.4-R1", "3.4-R14", "10.5.2", "10.5.6", "10.8.12", "10.9.3", "5.1-R1", "5.1-R3"),
-    caught_by=("wrong-offset",),
+    covers=(
+        "3.4-R1",
+        "3.4-R14",
+        "10.5.2",
+        "10.5.3",
+        "10.5.6",
+        "10.8.1",
+        "10.8.12",
+        "10.9.3",
+        "5.1-R1",
+        "5.1-R3",
+    ),
+    caught_by=("wrong-offset", "reply-before-write"),
 )
 async def pull_after_ready_is_served(t: ProducerCtx) -> None:
     """A pull sent after P's leg answered gets FINISH with the request in ok_reqs, and every
@@ -28,7 +39,12 @@ async def pull_after_ready_is_served(t: ProducerCtx) -> None:
     t.release(loaded)
 
 
-@case("producer/10.4/1", "10.4.6", covers=("10.4.2", "10.4.3", "3.1-R11"))
+@case(
+    "producer/10.4/1",
+    "10.4.6",
+    covers=("10.4.2", "10.4.3", "3.1-R11"),
+    caught_by=("no-placeholders",),
+)
 async def pull_before_ready_is_served(t: ProducerCtx) -> None:
     """A pull that reaches P before its leg does waits, and is then served like a late one."""
     loaded = await t.load(pull_first=True)
@@ -36,7 +52,7 @@ async def pull_before_ready_is_served(t: ProducerCtx) -> None:
     t.release(loaded)
 
 
-@case("producer/5.3/1", "5.3-R1")
+@case("producer/5.3/1", "5.3-R1", caught_by=("p-echoes-params",))
 async def p_response_has_null_params(t: ProducerCtx) -> None:
     """P's HTTP response carries kv_transfer_params null."""
     loaded = await t.load()
@@ -132,7 +148,7 @@ async def unpaired_tp_rank_is_an_error(t: ProducerCtx) -> None:
 @case(
     "producer/3.4/2",
     "3.4-R6",
-    covers=("8.4-R3", "7.2-R2", "8.1-R1", "3.2-R15"),
+    covers=("8.4-R3", "7.2-R2", "8.1-R1", "3.2-R15", "7.3-R2"),
     caught_by=("v2-to-legacy",),
 )
 async def legacy_pull_gets_legacy_replies(t: ProducerCtx) -> None:
@@ -145,7 +161,7 @@ async def legacy_pull_gets_legacy_replies(t: ProducerCtx) -> None:
             expect(not extra, f"a reply from {addr} to a legacy pull carries {sorted(extra)}")
 
 
-@case("producer/3.4/3", "3.4-R7", covers=("8.2-R4", "8.3-R1"))
+@case("producer/3.4/3", "3.4-R7", covers=("8.2-R4", "8.3-R1"), caught_by=("unannounced-replies",))
 async def v2_pull_gets_version_in_replies(t: ProducerCtx) -> None:
     """Every reply to a pull that announced pdwire/2 carries P's pdwire_version and caps."""
     t.require_pdwire2()
@@ -160,7 +176,7 @@ async def v2_pull_gets_version_in_replies(t: ProducerCtx) -> None:
             )
 
 
-@case("producer/3.4/4", "3.4-R16", covers=("3.4-R18",))
+@case("producer/3.4/4", "3.4-R16", covers=("3.4-R18",), caught_by=("repeats-ok",))
 async def each_request_listed_once(t: ProducerCtx) -> None:
     """Over all replies of a pull, P lists each d_req_id at most once and none it was not sent."""
     worker = t.worker()

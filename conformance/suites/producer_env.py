@@ -11,21 +11,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import httpx
+import msgspec
 import zmq.asyncio
 
-from pdwire.codec import encode_pull
-from pdwire.messages import Fingerprint, XferMetadataV2
+from pdwire.codec import encode_cancel, encode_pull
+from pdwire.messages import Fingerprint, XferCancel, XferMetadataV2
 from pdwire.planning import target_ranks
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, LEGACY, PDWIRE_2
 
 from ..case import CaseFailed, Skip, Unsupported, WireLog, expect
 from ..peers.engine import Engine
-from ..peers.fake_d import DWorker, PullResult, exchange
+from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, request, request_id, transfer_id
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
@@ -137,7 +138,8 @@ class Loaded:
     d_req_id: str
     prefill: HttpResult | None
     pulls: list[tuple[DWorker, str, PullResult]]  # (D worker, P worker address, result)
-    blocks: dict[int, list[int]]  # per D TP rank: the blocks asked for
+    blocks: dict[DWorker, list[int]]  # per D worker: the blocks asked for
+    prompt: list[int] = dataclasses.field(default_factory=list)
 
 
 class ProducerCtx:
@@ -205,15 +207,17 @@ class ProducerCtx:
         tokens: int | None = None,
         *,
         params: dict[str, Any] | None = None,
+        prompt: list[int] | None = None,
         **body: Any,
     ) -> HttpResult:
-        """Send P the P leg of a request (§5.1) and wait for its answer."""
+        """Send P the P leg of a request (§5.1) and wait for its answer; the prompt is a new
+        one unless given."""
         kv: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         if transfer is not None:
             kv["transfer_id"] = transfer
         payload: dict[str, Any] = {
             "model": self.env.model,
-            "prompt": self.prompt(tokens),
+            "prompt": prompt if prompt is not None else self.prompt(tokens),
             "max_tokens": 1,
             "stream": False,
             "kv_transfer_params": params if params is not None else kv,
@@ -233,6 +237,36 @@ class ProducerCtx:
         self, transfer: str | None, tokens: int | None = None, **kw: Any
     ) -> asyncio.Task[HttpResult]:
         return asyncio.create_task(self.prefill(transfer, tokens, **kw))
+
+    def expect_leg_ok(self, leg: HttpResult) -> None:
+        expect(leg.ok, f"P's leg failed: HTTP {leg.status} {leg.error or leg.body!r}")
+
+    async def ready(self, n: int = 1, tokens: int | None = None) -> list[str]:
+        """``n`` transfers whose P legs have answered: their KV waits at P for pulls."""
+        tids = [self.new_transfer_id() for _ in range(n)]
+        for leg in await asyncio.gather(*(self.prefill(tid, tokens) for tid in tids)):
+            self.expect_leg_ok(leg)
+        return tids
+
+    async def complete(self, prompt: list[int], **body: Any) -> HttpResult:
+        """A plain completion at P, without kv_transfer_params."""
+        payload = {"model": self.env.model, "prompt": prompt, "max_tokens": 1, **body}
+        return await request(
+            self.env.http, "POST", f"{self.options.api}/v1/completions", self.log, body=payload
+        )
+
+    async def first_token(self, prompt: list[int]) -> int:
+        """The token P generates first after ``prompt``, asked with vLLM's return_token_ids;
+        Unsupported when P does not return token ids."""
+        got = await self.complete(prompt, return_token_ids=True)
+        self.expect_leg_ok(got)
+        try:
+            ids = got.body["choices"][0]["token_ids"]
+        except (KeyError, IndexError, TypeError):
+            ids = None
+        if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
+            raise Unsupported("P does not return token_ids (vLLM's return_token_ids)")
+        return int(ids[0])
 
     # -- D -----------------------------------------------------------------------------------
 
@@ -265,6 +299,21 @@ class ProducerCtx:
     def encode(self, msg: XferMetadataV2, announce: bool) -> bytes:
         return encode_pull(msg, PDWIRE_2 if announce else LEGACY)
 
+    def pull_map(
+        self,
+        worker: DWorker,
+        req_blocks: dict[str, tuple[str, list[list[int]]]],
+        *,
+        announce: bool = False,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """A pull as the map that would be sent, keys in their order: to be altered and packed
+        by hand."""
+        extra = {**(self.announce() if announce else {}), **fields}
+        data = self.encode(worker.pull(req_blocks, **extra), announce)
+        obj: dict[str, Any] = msgspec.msgpack.decode(data)
+        return obj
+
     async def send(
         self,
         addr: str,
@@ -272,10 +321,13 @@ class ProducerCtx:
         *,
         timeout: float | None = None,
         linger_after: float = 0.0,
+        on_reply: Callable[[Reply], None] | None = None,
     ) -> PullResult:
         """Send raw frames on a new DEALER to ``addr``; collect the replies."""
         wait = timeout if timeout is not None else self.options.request_timeout
-        return await exchange(self.env.zmq, addr, data, wait, self.log, linger_after=linger_after)
+        return await exchange(
+            self.env.zmq, addr, data, wait, self.log, linger_after=linger_after, on_reply=on_reply
+        )
 
     async def pull(
         self,
@@ -288,74 +340,148 @@ class ProducerCtx:
         with_layout: bool = True,
         timeout: float | None = None,
         linger_after: float = 0.0,
+        on_reply: Callable[[Reply], None] | None = None,
         **fields: Any,
     ) -> PullResult:
         """One pull from ``worker`` to the P worker at ``addr``."""
         extra = {**(self.announce(caps) if announce else {}), **fields}
         msg = worker.pull(req_blocks, with_layout=with_layout, **extra)
         return await self.send(
-            addr, self.encode(msg, announce), timeout=timeout, linger_after=linger_after
+            addr,
+            self.encode(msg, announce),
+            timeout=timeout,
+            linger_after=linger_after,
+            on_reply=on_reply,
         )
+
+    def d_workers(self, d_tp: int | None = None, d_pp: int = 1) -> list[DWorker]:
+        """Every worker of a fake D of TP ``d_tp`` (default P's) and PP ``d_pp``."""
+        size = d_tp or self.p_tp
+        return [self.worker(size, r, d_pp, s) for s in range(d_pp) for r in range(size)]
+
+    async def pull_to_targets(
+        self,
+        worker: DWorker,
+        transfer: str,
+        d_req: str,
+        blocks: list[int],
+        *,
+        announce: bool = False,
+        **fields: Any,
+    ) -> list[tuple[DWorker, str, PullResult]]:
+        """``worker``'s pulls of one request, one to each P worker it pairs with, at once."""
+        addrs = self.targets(worker)
+        req = {d_req: (transfer, [blocks])}
+        results = await asyncio.gather(
+            *(self.pull(worker, a, req, announce=announce, **fields) for a in addrs)
+        )
+        return [(worker, a, r) for a, r in zip(addrs, results, strict=True)]
+
+    async def cancel(
+        self, worker: DWorker, addr: str, reqs: dict[str, str], *, timeout: float | None = None
+    ) -> PullResult:
+        """An XferCancel (§3.5) of ``worker``'s pulls for ``reqs`` (d_req_id -> transfer_id),
+        on a new DEALER to ``addr``."""
+        s = worker.side
+        msg = XferCancel(
+            pdwire_version=CURRENT_VERSION,
+            remote_hostname=worker.engine.hostname,
+            remote_port=worker.engine.port,
+            remote_tp_size=s.tp_size,
+            remote_tp_rank=s.tp_rank,
+            cancel_reqs=reqs,
+            remote_pp_size=s.pp_size,
+            remote_pp_rank=worker.pp_rank,
+            reason="conformance",
+        )
+        return await self.send(addr, encode_cancel(msg), timeout=timeout)
+
+    async def stop_leg(self, transfer: str, prompt: list[int]) -> HttpResult:
+        """The P leg of ``prompt`` with its first token as a stop token (vLLM's
+        stop_token_ids): P's request ends at once, so P will not send (§10.11.1). Unsupported
+        when P does not return token ids or ignores stop_token_ids."""
+        token = await self.first_token(prompt)
+        leg = await self.prefill(transfer, prompt=prompt, stop_token_ids=[token])
+        self.expect_leg_ok(leg)
+        try:
+            finish = leg.body["choices"][0]["finish_reason"]
+        except (KeyError, IndexError, TypeError):
+            finish = None
+        if finish != "stop":
+            raise Unsupported(f"P ignored stop_token_ids (finish_reason {finish!r})")
+        return leg
 
     async def load(
         self,
         *,
         tokens: int | None = None,
         d_tp: int | None = None,
+        d_pp: int = 1,
         announce: bool = False,
         pull_first: bool = False,
         scattered: bool = False,
         transfer: str | None = None,
+        prompt: list[int] | None = None,
+        blocks: int | None = None,
+        **fields: Any,
     ) -> Loaded:
         """A whole transfer: P's leg, then (or, with ``pull_first``, before its answer) every
-        pull of every D TP rank, each to its paired P workers."""
+        pull of every D worker, each to its paired P workers. ``blocks``: how many blocks D
+        asks for (default all of the prompt's: fewer is a prefix-cache hit); ``fields``
+        override or add fields of every pull."""
         tid = transfer or self.new_transfer_id()
         d_req = self.new_d_req()
-        n = self.blocks_for(tokens)
-        leg = self.start_prefill(tid, tokens)
+        ids = prompt if prompt is not None else self.prompt(tokens)
+        n = blocks if blocks is not None else self.blocks_for(len(ids))
+        leg = self.start_prefill(tid, prompt=ids)
         prefill: HttpResult | None = None
         if not pull_first:
             prefill = await leg
-            expect(
-                prefill.ok,
-                f"P's leg failed: HTTP {prefill.status} {prefill.error or prefill.body!r}",
+            self.expect_leg_ok(prefill)
+        workers = self.d_workers(d_tp, d_pp)
+        taken = {w: w.take(n, scattered=scattered) for w in workers}
+        groups = await asyncio.gather(
+            *(
+                self.pull_to_targets(w, tid, d_req, taken[w], announce=announce, **fields)
+                for w in workers
             )
-        d_size = d_tp or self.p_tp
-        workers = [self.worker(d_size, r) for r in range(d_size)]
-        blocks = {w.side.tp_rank: w.take(n, scattered=scattered) for w in workers}
-        jobs = [
-            (w, a, self.pull(w, a, {d_req: (tid, [blocks[w.side.tp_rank]])}, announce=announce))
-            for w in workers
-            for a in self.targets(w)
-        ]
-        results = await asyncio.gather(*(job for _, _, job in jobs))
+        )
         if prefill is None:
             prefill = await leg
-        pulls = [(w, a, r) for (w, a, _), r in zip(jobs, results, strict=True)]
-        return Loaded(tid, d_req, prefill, pulls, blocks)
+        return Loaded(tid, d_req, prefill, [p for g in groups for p in g], taken, ids)
 
     def release(self, loaded: Loaded) -> None:
         """Give the transfer's blocks back to the fake D workers."""
-        for w, _, _ in loaded.pulls:
-            w.give_back(loaded.blocks.get(w.side.tp_rank, []))
+        for w, blocks in loaded.blocks.items():
+            w.give_back(blocks)
 
     def expect_loaded(self, loaded: Loaded) -> None:
         """Every pull ended FINISH listing the request ok, every block asked for holds bytes,
         and no byte outside them changed."""
         for w, a, r in loaded.pulls:
-            expect(
-                r.status is not None and r.status.name == "FINISH" and loaded.d_req_id in r.ok(),
-                f"pull of D rank {w.side.tp_rank} to {a}: expected FINISH with "
-                f"{loaded.d_req_id} in ok_reqs, got {r.describe()}",
-            )
-        for w in {id(w): w for w, _, _ in loaded.pulls}.values():
-            missing = w.unwritten(loaded.blocks[w.side.tp_rank])
-            expect(
-                not missing,
-                f"D rank {w.side.tp_rank}: (region, block) never written: {missing[:8]}",
-            )
-            stray = w.stray_bytes()
-            expect(
-                stray == 0,
-                f"D rank {w.side.tp_rank}: {stray} bytes written outside the blocks asked for",
-            )
+            self.expect_ok(w, a, r, loaded.d_req_id)
+        for w, blocks in loaded.blocks.items():
+            self.expect_written(w, blocks)
+
+    def expect_ok(self, worker: DWorker, addr: str, r: PullResult, d_req: str) -> None:
+        """The pull ended FINISH with ``d_req`` in ok_reqs."""
+        expect(
+            r.status is not None and r.status.name == "FINISH" and d_req in r.ok(),
+            f"pull of {describe(worker)} to {addr}: expected FINISH with {d_req} in ok_reqs, "
+            f"got {r.describe()}",
+        )
+
+    def expect_written(self, worker: DWorker, blocks: list[int]) -> None:
+        """Every block asked for holds bytes, and nothing else of the worker's memory changed."""
+        missing = worker.unwritten(blocks)
+        expect(not missing, f"{describe(worker)}: (region, block) never written: {missing[:8]}")
+        stray = worker.stray_bytes()
+        expect(
+            stray == 0, f"{describe(worker)}: {stray} bytes written outside the blocks asked for"
+        )
+
+
+def describe(worker: DWorker) -> str:
+    s = worker.side
+    pp = f" PP rank {worker.pp_rank}/{s.pp_size}" if s.pp_size > 1 else ""
+    return f"D TP rank {s.tp_rank}/{s.tp_size}{pp}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..case import Case, Suite
-from ..runner import Result, RunOptions, run_cases
+from ..runner import Result, RunOptions, run_suite
 from .producer_env import ProducerCtx, ProducerEnv, ProducerOptions
 
 
@@ -16,9 +16,6 @@ async def run_producer(
     on_result: Callable[[Result], None] | None = None,
 ) -> list[Result]:
     env = ProducerEnv(options)
-    try:
-        await env.open()
-        chosen = [c for c in cases if c.suite is Suite.PRODUCER]
-        return await run_cases(chosen, lambda log: ProducerCtx(env, log), run_options, on_result)
-    finally:
-        await env.close()
+    return await run_suite(
+        env, Suite.PRODUCER, lambda log: ProducerCtx(env, log), cases, run_options, on_result
+    )

@@ -2,8 +2,12 @@
 
 ``pdwire node --mutant NAME`` starts a node whose every process (the front and each worker) first
 applies the mutant: a patch of one behaviour of pdwire's own code, made in that process only.
-Each mutant is caught by at least one conformance case (``caught_by`` in ``conformance``), and the
-test suite shows it. Never use a mutant for anything but testing the harness.
+``pdwire node --mutant-control`` lets the harness switch mutants on and off in a running node
+instead (``POST /pdwire/mutant``): every patch goes through ``replace``, which keeps what it
+replaced, so ``restore`` puts the reference back. A mutant that changes the node's configuration
+(``node``) needs a node of its own. Each mutant is caught by at least one conformance case
+(``caught_by`` in ``conformance``), and the test suite shows it. Never use a mutant for anything
+but testing the harness.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ class Mutant:
 
 
 MUTANTS: dict[str, Mutant] = {}
-_applied: set[str] = set()
+#: What the applied patches replaced: (owner, name, whether owner held it itself, the value).
+_journal: list[tuple[object, str, bool, object]] = []
+_active = ""
 
 
 def mutant(
@@ -46,7 +52,23 @@ def replace(owner: object, name: str, value: object) -> None:
     """Put ``value`` in the place of ``owner.name``: how every patch applies its defect."""
     if not hasattr(owner, name):
         raise AttributeError(f"{owner!r} has no {name!r} to replace")
+    own = vars(owner)
+    held = name in own
+    # The raw entry, not getattr's: a staticmethod must come back as one.
+    _journal.append((owner, name, held, own[name] if held else None))
     setattr(owner, name, value)
+
+
+def restore() -> None:
+    """Undo every patch applied in this process, last first: the reference again."""
+    global _active
+    while _journal:
+        owner, name, held, value = _journal.pop()
+        if held:
+            setattr(owner, name, value)
+        else:
+            delattr(owner, name)
+    _active = ""
 
 
 def get(name: str) -> Mutant:
@@ -57,12 +79,18 @@ def get(name: str) -> Mutant:
 
 
 def apply(name: str) -> None:
-    """Apply mutant ``name`` in this process (once)."""
-    if name and name not in _applied:
-        get(name).patch()
-        _applied.add(name)
+    """Make mutant ``name`` the one applied in this process ("" = none); another one applied
+    before is restored first."""
+    global _active
+    if name == _active:
+        return
+    m = get(name) if name else None
+    restore()
+    if m is not None:
+        m.patch()
+        _active = name
 
 
-from . import consumer, producer  # noqa: E402, F401  (register the mutants)
+from . import consumer, pair, producer  # noqa: E402, F401  (register the mutants)
 
 NAMES: Final = tuple(sorted(MUTANTS))

@@ -6,17 +6,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 
-from pdwire import planning
+from pdwire import error_strings, planning
 from pdwire import producer as producer_module
-from pdwire.events import MessageReceived
-from pdwire.messages import ErrorCode
-from pdwire.negotiation import Offer, negotiate
-from pdwire.planning import Descriptors
+from pdwire.codec import encode_response
+from pdwire.errors import LocalProtocolError
+from pdwire.events import FreeReason, MessageReceived, SendReply, StartWrite, WriteCompleted
+from pdwire.messages import ErrorCode, XferMetadataV2
+from pdwire.messages import XferResponseStatus as Status
+from pdwire.messages import XferResponseV2 as Reply
+from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
+from pdwire.planning import Descriptors, target_ranks
 from pdwire.producer import ProducerSession
+from pdwire.transitions import TransferState
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION
 
 from .. import producer_agent
@@ -114,3 +122,317 @@ def _v2_to_legacy() -> None:
         original(self, identity, everything, msg)
 
     replace(ProducerSession, "_reply", reply)
+
+
+# -- replies --------------------------------------------------------------------------------
+
+
+@mutant("double-finish", "prefill", "sends the FINISH of every pull twice")
+def _double_finish() -> None:
+    original = ProducerSession._flush
+
+    def flush(self: ProducerSession, pull: Any) -> None:
+        n = len(self._out)
+        original(self, pull)
+        again = [o for o in self._out[n:] if isinstance(o, SendReply)]
+        self._out.extend(o for o in again if o.reply.status is Status.FINISH)
+
+    replace(ProducerSession, "_flush", flush)
+
+
+@mutant("no-continue", "prefill", "holds a pull's results until none of its requests waits")
+def _no_continue() -> None:
+    original = ProducerSession._flush
+
+    def flush(self: ProducerSession, pull: Any) -> None:
+        if not pull.pending:
+            original(self, pull)
+
+    replace(ProducerSession, "_flush", flush)
+
+
+@mutant("ok-also-failed", "prefill", "lists its failed requests in ok_reqs too (unchecked)")
+def _ok_also_failed() -> None:
+    round_reply = ProducerSession._round_reply
+
+    def reply(self: ProducerSession, pull: Any, status: Status) -> Reply:
+        out = round_reply(self, pull, status)
+        if out.err_reqs:
+            out.ok_reqs = [*(out.ok_reqs or ()), *out.err_reqs]
+        return out
+
+    def unchecked(reply: Reply, agreement: Any) -> bytes:
+        try:
+            return encode_response(reply, agreement)
+        except LocalProtocolError:
+            return msgspec.msgpack.encode(reply)
+
+    replace(ProducerSession, "_round_reply", reply)
+    replace(producer_module, "encode_response", unchecked)
+
+
+@mutant("unannounced-replies", "prefill", "answers a D that announced pdwire/2 as a legacy one")
+def _unannounced_replies() -> None:
+    original = ProducerSession._reply
+
+    def reply(self: ProducerSession, identity: bytes, agreement: Any, msg: Any) -> None:
+        original(self, identity, negotiate("P", self._offer, LEGACY_PEER), msg)
+
+    replace(ProducerSession, "_reply", reply)
+
+
+@mutant("repeats-ok", "prefill", "lists every served request twice in ok_reqs")
+def _repeats_ok() -> None:
+    original = ProducerSession._round_reply
+
+    def round_reply(self: ProducerSession, pull: Any, status: Status) -> Reply:
+        out = original(self, pull, status)
+        if out.ok_reqs:
+            out.ok_reqs = out.ok_reqs * 2
+        return out
+
+    replace(ProducerSession, "_round_reply", round_reply)
+
+
+@mutant("reply-map32", "prefill", "writes every reply with a map 32 header")
+def _reply_map32() -> None:
+    def encode(reply: Reply, agreement: Any) -> bytes:
+        data = encode_response(reply, agreement)
+        if 0x80 <= data[0] <= 0x8F:
+            return b"\xdf" + (data[0] & 0x0F).to_bytes(4, "big") + data[1:]
+        return data
+
+    replace(producer_module, "encode_response", encode)
+
+
+@mutant("engine-error-ok", "prefill", "takes a failed batch write for a successful one")
+def _engine_error_ok() -> None:
+    original = ProducerSession._finish_round
+
+    def finish_round(self: ProducerSession, pull: Any, status: int, now: float) -> None:
+        original(self, pull, 0, now)
+
+    replace(ProducerSession, "_finish_round", finish_round)
+
+
+@mutant("reply-before-write", "prefill", "replies at once; each write lands 0.5 s later")
+def _reply_before_write() -> None:
+    def start_write(self: producer_agent.ProducerAgent, write: StartWrite) -> None:
+        def late() -> None:
+            time.sleep(0.5)
+            self._transport.write(write.peer, write.descriptors)
+
+        self._thread.loop.run_in_executor(self._executor, late)
+        self._thread.loop.call_soon(self._feed, WriteCompleted(write.write_id, 0))
+
+    replace(producer_agent.ProducerAgent, "_start_write", start_write)
+
+
+# -- the layout cache (§3.7) ------------------------------------------------------------------
+
+
+@mutant("no-layout-echo", "prefill", "never echoes the pull's layout_id")
+def _no_layout_echo() -> None:
+    original = ProducerSession._round_reply
+
+    def reply(self: ProducerSession, pull: Any, status: Status) -> Reply:
+        out = original(self, pull, status)
+        out.layout_id = 0
+        return out
+
+    replace(ProducerSession, "_round_reply", reply)
+
+
+@mutant("miss-on-zero-layout", "prefill", "answers LAYOUT_MISS to any pull without a layout")
+def _miss_on_zero_layout() -> None:
+    original = ProducerSession._plan_for
+
+    def plan_for(self: ProducerSession, msg: XferMetadataV2) -> Any:
+        return None if not msg.kv_caches_base_addr else original(self, msg)
+
+    replace(ProducerSession, "_plan_for", plan_for)
+
+
+@mutant("miss-as-error", "prefill", "answers ERROR where LAYOUT_MISS is due")
+def _miss_as_error() -> None:
+    original = ProducerSession._reply_error
+
+    def reply_error(self: ProducerSession, *args: Any, **kwargs: Any) -> None:
+        if len(args) > 4 and args[4] is Status.LAYOUT_MISS:
+            args = (*args[:4], Status.ERROR, *args[5:])
+        original(self, *args, **kwargs)
+
+    replace(ProducerSession, "_reply_error", reply_error)
+
+
+@mutant("no-layout-cache", "prefill", "evicts every layout as soon as it is cached")
+def _no_layout_cache() -> None:
+    replace(producer_module, "MAX_PEER_LAYOUTS", -1)
+
+
+@mutant("layout-key-by-id", "prefill", "looks a cached layout up by layout_id alone")
+def _layout_key_by_id() -> None:
+    original = ProducerSession._plan_for
+
+    def plan_for(self: ProducerSession, msg: XferMetadataV2) -> Any:
+        if msg.layout_id and not msg.kv_caches_base_addr:
+            for key, plan in self._peer_layouts.items():
+                if key[-1] == msg.layout_id:
+                    return plan
+        return original(self, msg)
+
+    replace(ProducerSession, "_plan_for", plan_for)
+
+
+@mutant("caches-mismatched-layout", "prefill", "caches a pull's layout before its other checks")
+def _caches_mismatched_layout() -> None:
+    original = ProducerSession._on_pull
+
+    def on_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        if msg.kv_caches_base_addr:
+            self._plan_for(msg)
+        original(self, identity, msg, now)
+
+    replace(ProducerSession, "_on_pull", on_pull)
+
+
+@mutant("no-placeholders", "prefill", "answers a pull for an unknown transfer_id as expired")
+def _no_placeholders() -> None:
+    original = ProducerSession._on_pull
+
+    def on_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        original(self, identity, msg, now)
+        for transfer_id, _ in msg.req_blocks.values():
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.state is TransferState.PLACEHOLDER:
+                self._expire(t, now)
+
+    replace(ProducerSession, "_on_pull", on_pull)
+
+
+# -- counting and freeing (§10.3, §10.9) ------------------------------------------------------
+
+
+def _set_need_send(need_send: Callable[[ProducerSession, XferMetadataV2], int]) -> None:
+    original = ProducerSession._open_pull
+
+    def open_pull(self: ProducerSession, identity: bytes, msg: Any, *args: Any) -> Any:
+        pull = original(self, identity, msg, *args)
+        pull.need_send = need_send(self, msg)
+        return pull
+
+    replace(ProducerSession, "_open_pull", open_pull)
+
+
+@mutant("early-free", "prefill", "frees a transfer's blocks once its first pull is served")
+def _early_free() -> None:
+    _set_need_send(lambda self, msg: 1)
+
+
+@mutant("pp-count-ignored", "prefill", "counts one pull per paired D TP rank, whatever D's PP")
+def _pp_count_ignored() -> None:
+    def paired(self: ProducerSession, msg: XferMetadataV2) -> int:
+        side = self.config.side
+        return len(target_ranks(side.tp_size, side.tp_rank, msg.remote_tp_size))
+
+    _set_need_send(paired)
+
+
+@mutant("error-frees", "prefill", "an ERROR reply frees the ready transfers its pull named")
+def _error_frees() -> None:
+    original = ProducerSession._on_pull
+
+    def on_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        n = len(self._out)
+        original(self, identity, msg, now)
+        replies = [o for o in self._out[n:] if isinstance(o, SendReply)]
+        if any(o.reply.status is Status.ERROR for o in replies):
+            for transfer_id, _ in msg.req_blocks.values():
+                t = self._transfers.get(transfer_id)
+                if t is not None and t.state is TransferState.READY:
+                    self._settle_all(t, FreeReason.SERVED)
+
+    replace(ProducerSession, "_on_pull", on_pull)
+
+
+@mutant("err-counts-served", "prefill", "counts a pull that failed a request as serving it")
+def _err_counts_served() -> None:
+    original = ProducerSession._take_for_round
+
+    def take(self: ProducerSession, pull: Any, t: Any, d_req: str, *args: Any) -> None:
+        original(self, pull, t, d_req, *args)
+        if d_req in pull.err:
+            self._settle(t, pull.peer)
+
+    replace(ProducerSession, "_take_for_round", take)
+
+
+@mutant("release-only-not-counted", "prefill", "does not count a release-only pull as served")
+def _release_only_not_counted() -> None:
+    original = ProducerSession._take_for_round
+
+    def take(self: ProducerSession, pull: Any, t: Any, d_req: str, *args: Any) -> None:
+        if any(pull.msg.req_blocks[d_req][1]):
+            original(self, pull, t, d_req, *args)
+            return
+        del pull.pending[d_req]
+        t.waiting.discard(pull.key)
+        t.need_send = t.need_send or pull.need_send
+        pull.ok.append(d_req)
+
+    replace(ProducerSession, "_take_for_round", take)
+
+
+# -- timers (§6) ------------------------------------------------------------------------------
+
+
+@mutant("ready-timeout-as-error", "prefill", "ends a pull whose ready wait expired with ERROR")
+def _ready_timeout_as_error() -> None:
+    original = ProducerSession._pull_timer
+
+    def pull_timer(self: ProducerSession, pull: Any, now: float) -> None:
+        if pull.round is None and pull.pending and pull.d_deadline > now:
+            message = error_strings.READY_TIMEOUT
+            self._reply_error(pull.identity, pull.agreement, ErrorCode.READY_TIMEOUT, message)
+            self._close(pull)
+            return
+        original(self, pull, now)
+
+    replace(ProducerSession, "_pull_timer", pull_timer)
+
+
+def _skip_expiry(state: TransferState) -> None:
+    original = ProducerSession._expire
+
+    def expire(self: ProducerSession, t: Any, now: float) -> None:
+        if t.state is not state:
+            original(self, t, now)
+
+    replace(ProducerSession, "_expire", expire)
+
+
+@mutant("never-expires", "prefill", "keeps a ready transfer past its retention timer")
+def _never_expires() -> None:
+    _skip_expiry(TransferState.READY)
+
+
+@mutant("placeholders-never-expire", "prefill", "keeps a placeholder until its request comes")
+def _placeholders_never_expire() -> None:
+    _skip_expiry(TransferState.PLACEHOLDER)
+
+
+@mutant("placeholder-restarts", "prefill", "restarts a placeholder's expiry at each pull naming it")
+def _placeholder_restarts() -> None:
+    original = ProducerSession._on_pull
+
+    def on_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        original(self, identity, msg, now)
+        for transfer_id, _ in msg.req_blocks.values():
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.state is TransferState.PLACEHOLDER:
+                self._remember(t)
+
+    replace(ProducerSession, "_on_pull", on_pull)
+
+
+from . import producer_bootstrap, producer_decode, producer_planning, producer_v2  # noqa: E402, F401

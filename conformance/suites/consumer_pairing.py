@@ -1,0 +1,103 @@
+"""Consumer cases: which P workers D pulls from, and when it counts a request done (§10.1,
+§10.2, §10.10)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from pdwire.messages import XferResponseStatus
+from pdwire.planning import target_ranks
+
+from ..case import expect
+from .consumer_env import QUIET, ConsumerCtx, consumer_case
+
+ERROR = XferResponseStatus.ERROR
+APART = 0.3  # seconds between the answers of two P ranks
+
+
+@consumer_case(
+    "consumer/10.1/1",
+    "10.1.2",
+    covers=("10.1.5", "10.10.1", "10.10.3"),
+    caught_by=("pulls-one-tp-rank",),
+)
+async def pulls_every_paired_tp_rank(t: ConsumerCtx) -> None:
+    """With a P of TP 2, each D rank pulls from exactly the P ranks target_ranks pairs it with,
+    and the request loads once all of them answered ok."""
+    fake = await t.fake_p(tp=2)
+    leg = t.start(fake)
+    pulls = await t.all_pulls(fake, leg)
+    pairs = set()
+    for rx in pulls:
+        assert rx.pull is not None
+        d_tp, d_rank = rx.pull.remote_tp_size, rx.pull.remote_tp_rank
+        p_rank = rx.worker[0]
+        expect(
+            p_rank in target_ranks(d_tp, d_rank, 2),
+            f"D rank {d_rank} of {d_tp} pulled from P rank {p_rank}, which it is not paired with",
+        )
+        pairs.add((d_rank, p_rank))
+    expect(len(pairs) == len(pulls), f"a D rank pulled one P rank twice: {sorted(pairs)}")
+    for rx in pulls:
+        await fake.serve(rx)
+    t.expect_decoded(await leg.result())
+    extra = await fake.next(QUIET, lambda r: r.kind == "pull")
+    expect(extra is None, f"D pulled once more: {extra and extra.describe()}")
+
+
+@consumer_case(
+    "consumer/10.2/1",
+    "10.2.2",
+    covers=("10.2.3", "9.2-R2"),
+    risk=5,
+    caught_by=("pulls-own-stage-only",),
+)
+async def pulls_every_p_stage(t: ConsumerCtx) -> None:
+    """With a P of PP 2, a D whose PP size differs pulls from both P stages (one of the same PP
+    size only from its own), and the request loads once every stage answered."""
+    fake = await t.fake_p(pp=2)
+    leg = t.start(fake)
+    pulls = await t.all_pulls(fake, leg)
+    stages = {rx.worker[1] for rx in pulls}
+    assert pulls[0].pull is not None
+    if pulls[0].pull.remote_pp_size != 2:
+        expect(stages == {0, 1}, f"D pulled from the P stages {sorted(stages)} only")
+    for rx in pulls:
+        await fake.serve(rx)
+    t.expect_decoded(await leg.result())
+
+
+@consumer_case(
+    "consumer/10.10/3",
+    "10.10.2",
+    covers=("10.10.3", "10.10.4", "10.10.5"),
+    caught_by=("first-reply-completes",),
+)
+async def answers_once_every_pull_settled(t: ConsumerCtx) -> None:
+    """D answers a request only when every pull for it settled: from a P of TP 2 whose ranks
+    answer 0.3 s apart, ok then failed fails it, and ERROR then ok fails it, each time only
+    after the second answer."""
+    fake = await t.fake_p(tp=2)
+    for first_ok in (True, False):
+        leg = t.start(fake)
+        pulls = await t.all_pulls(fake, leg)
+        head, rest = pulls[0], pulls[1:]
+        d_req = head.d_req(leg.transfer_id)
+        if first_ok:
+            await fake.serve(head)
+        else:
+            await fake.reply(
+                head, ERROR, err_msg="the fake P failed this pull", err_code="INTERNAL"
+            )
+        done, _ = await asyncio.wait([leg.task], timeout=APART)
+        expect(
+            not done,
+            f"D answered after the first of {len(pulls)} pulls settled "
+            f"({'ok' if first_ok else 'ERROR'}), while another P rank could still write",
+        )
+        for rx in rest:
+            if first_ok:
+                await fake.reply(rx, err=[rx.d_req(leg.transfer_id)], err_msg="failed")
+            else:
+                await fake.serve(rx)
+        t.expect_failed(await leg.result(), f"request {d_req}")

@@ -1,0 +1,147 @@
+"""Consumer cases: kv_transfer_params and D's timers (§3.1, §5.2, §6, §10.10)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from pdwire import error_strings
+from pdwire.messages import XferResponseStatus
+from pdwire.versions import Capability
+
+from ..case import expect, expect_equal
+from ..peers.http import transfer_id
+from .consumer_env import DECODE_KEYS, QUIET, ConsumerCtx, consumer_case
+
+FINISH = XferResponseStatus.FINISH
+SLACK = 1.5  # how much later than its deadline D may give up
+
+
+@consumer_case("consumer/5.2/1", "5.2-R2", caught_by=("invalid-params-fail",))
+async def incomplete_params_compute_locally(t: ConsumerCtx) -> None:
+    """A D leg without remote_engine_id, remote_bootstrap_addr or transfer_id is computed by D
+    itself: HTTP 200 with D's local text, and no query and no pull."""
+    fake = await t.fake_p()
+    prompt = t.prompt()
+    local = await t.local(prompt)
+    for key in DECODE_KEYS:
+        got = await t.complete(prompt, t.params(fake, transfer_id(), drop=(key,)))
+        t.expect_decoded(got, f"D, for a D leg without {key}")
+        expect_equal(got.text(), local, f"D's text for a D leg without {key}")
+    expect(not fake.queries, "D queried the bootstrap server for a request it must compute")
+    expect(not fake.history, f"D sent {[rx.describe() for rx in fake.history[:1]]}")
+
+
+@consumer_case(
+    "consumer/5.2/2",
+    "5.2-R5",
+    covers=("4.4-R17", "10.10.3"),
+    caught_by=("recompute", "discards-loaded-kv"),
+)
+async def decodes_from_the_loaded_kv(t: ConsumerCtx) -> None:
+    """D decodes from the KV P wrote, not from its own prefill: given bytes that are not the
+    prompt's KV (the fake P's random bytes), its text differs from its local text for the same
+    prompt, which is exactly what a D that silently recomputed would give."""
+    fake = await t.fake_p()
+    leg = t.start(fake)
+    rx = await t.pull(fake)
+    expect(fake.write(rx) > 0, "the pull asks for no bytes")
+    await fake.reply(rx, ok=[rx.d_req(leg.transfer_id)])
+    got = await leg.result()
+    t.expect_decoded(got)
+    expect(bool(fake.queries), f"D did not query the bootstrap server it was given, {fake.url}")
+    local = await t.local(leg.prompt)
+    expect(
+        got.text() != local,
+        f"D's text {got.text()!r} is its local text for the prompt, though P wrote other bytes: "
+        "D did not decode from the KV it loaded (it recomputed the prompt)",
+    )
+
+
+@consumer_case(
+    "consumer/5.2/3",
+    "5.2-R4",
+    covers=("6.3-R4", "10.11.3", "3.5-R1", "3.5-R2", "3.5-R3", "3.5-R4", "3.5-R17", "8.2-R1"),
+    risk=6,
+    timeout=15.0,
+    caught_by=("ignores-deadline-ms", "frees-before-cancel-reply"),
+)
+async def deadline_ms_bounds_the_wait(t: ConsumerCtx) -> None:
+    """With deadline_ms in its D leg, D stops waiting for the KV at that deadline though P never
+    answered: it withdraws the pull with an XferCancel on a new socket, and the request fails."""
+    await t.require_pdwire2(Capability.DEADLINE, Capability.CANCEL)
+    budget = 0.6
+    fake = await t.fake_p()
+    leg = t.start(fake, deadline_ms=int(budget * 1000))
+    rx = await t.pull(fake)
+    d_req = rx.d_req(leg.transfer_id)
+    left = budget + SLACK - (time.monotonic() - leg.sent)
+    cancel = await t.pull(fake, max(0.1, left), kind="cancel", what="XferCancel")
+    assert cancel.cancel is not None and rx.pull is not None
+    expect(cancel.identity != rx.identity, "D sent its XferCancel on the pull's socket")
+    expect(len(cancel.frames) == 2, f"the XferCancel came as {len(cancel.frames) - 1} frames")
+    expect_equal(cancel.cancel.cancel_reqs, {d_req: leg.transfer_id}, "cancel_reqs")
+    c, p = cancel.cancel, rx.pull
+    expect_equal(
+        (c.remote_hostname, c.remote_port, c.remote_tp_size, c.remote_tp_rank, c.remote_pp_size),
+        (p.remote_hostname, p.remote_port, p.remote_tp_size, p.remote_tp_rank, p.remote_pp_size),
+        "the cancel's remote_* fields (those of D's pull)",
+    )
+    done, _ = await asyncio.wait([leg.task], timeout=QUIET)
+    expect(
+        not done,
+        "D answered the request (its blocks free again) before P confirmed the cancel, while "
+        "P could still write into them",
+    )
+    await fake.reply(cancel, ok=[d_req])
+    await fake.reply(
+        rx, err=[d_req], err_msg=error_strings.CANCELLED, err_codes={d_req: "CANCELLED"}
+    )
+    got = await leg.result()
+    t.expect_failed(got)
+    took = time.monotonic() - leg.sent
+    expect(took < budget + 2 * SLACK, f"D answered {took:.2f}s after a deadline of {budget}s")
+
+
+@consumer_case(
+    "consumer/3.1/2", "3.1-R9", covers=("3.1-R8",), timeout=900.0, caught_by=("no-receive-timeout",)
+)
+async def receive_timeout_fails_the_pull(t: ConsumerCtx) -> None:
+    """A pull P never answers fails its request when D's receive timeout expires, and not
+    before."""
+    wait = t.receive_timeout
+    fake = await t.fake_p(version=None)
+    # A deadline past the receive timeout, so that only the receive timeout can end the pull.
+    leg = t.start(fake, timeout=wait + 5.0, deadline_ms=int((wait + 30.0) * 1000))
+    rx = await t.pull(fake)
+    got = await leg.result()
+    t.expect_failed(got, f"a pull unanswered for longer than the receive timeout of {wait}s")
+    took = time.monotonic() - rx.t
+    expect(took >= wait - 0.25, f"D gave up {took:.2f}s after its pull, before {wait}s")
+    expect(took <= wait + 2.5, f"D gave up {took:.2f}s after its pull, its timeout is {wait}s")
+
+
+@consumer_case(
+    "consumer/6.3/1",
+    "6.3-R6",
+    covers=("10.11.3", "5.2-R4"),
+    risk=6,
+    caught_by=("pulls-after-deadline",),
+)
+async def no_pull_after_the_deadline(t: ConsumerCtx) -> None:
+    """A request whose deadline passes while D still asks the bootstrap server (a slow /query)
+    fails by its deadline, and D sends no pull for it once P is known."""
+    await t.require_pdwire2(Capability.DEADLINE)
+    fake = await t.fake_p()
+    fake.hold_query = 0.6
+    budget = 0.25
+    leg = t.start(fake, deadline_ms=int(budget * 1000))
+    got = await leg.result()
+    t.expect_failed(got, "a request whose deadline passed while D resolved P")
+    took = time.monotonic() - leg.sent
+    expect(took < budget + 2 * SLACK, f"D answered {took:.2f}s after a deadline of {budget}s")
+    late = await t.quiet(fake, fake.hold_query + QUIET)
+    expect(
+        late is None,
+        f"D pulled after the request's deadline had passed: {late and late.describe()}",
+    )

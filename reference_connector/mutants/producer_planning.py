@@ -1,0 +1,82 @@
+"""Mutants of how P places a pull's bytes (§10.6 to §10.8): each replaces one step of
+``pdwire.planning``, which the producer session calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pdwire import planning
+from pdwire.messages import ErrorCode
+from pdwire.planning import PlanError, Region, RegionPlan, Side
+
+from . import mutant, replace
+
+
+@mutant("no-shard-offsets", "prefill", "writes at offset 0 of both blocks when TP sizes differ")
+def _no_shard_offsets() -> None:
+    original = planning._place
+
+    def place(i: int, src: Region, dst: Region, shards: Any) -> Any:
+        placed = original(i, src, dst, shards)
+        if isinstance(placed, RegionPlan):
+            return dataclasses.replace(placed, src_offset=0, dst_offset=0)
+        return placed
+
+    replace(planning, "_place", place)
+
+
+@mutant("no-length-check", "prefill", "serves regions whose lengths do not fit the TP ratio")
+def _no_length_check() -> None:
+    original = planning._place
+
+    def place(i: int, src: Region, dst: Region, shards: Any) -> Any:
+        placed = original(i, src, dst, shards)
+        if isinstance(placed, PlanError) and placed.code is ErrorCode.REGION_LENGTH:
+            length = min(src.kv_block_len, dst.kv_block_len or src.kv_block_len)
+            return RegionPlan(src, dst, 0, 0, length, shards.write)
+        return placed
+
+    replace(planning, "_place", place)
+
+
+@mutant("aligns-by-position", "prefill", "pairs its regions with D's by position, not by name")
+def _aligns_by_position() -> None:
+    original = planning._align
+
+    def align(producer: Side, consumer: Side) -> Any:
+        if len(producer.regions) == len(consumer.regions):
+            return list(zip(producer.regions, consumer.regions, strict=True))
+        return original(producer, consumer)
+
+    replace(planning, "_align", align)
+
+
+@mutant("no-alignment-check", "prefill", "never compares the layer and group of aligned regions")
+def _no_alignment_check() -> None:
+    replace(planning, "_mismatch", lambda src, dst: None)
+
+
+@mutant("first-blocks-on-prefix-hit", "prefill", "sends its first n blocks, not its last n")
+def _first_blocks_on_prefix_hit() -> None:
+    original = planning._select
+
+    def select(src: Sequence[Sequence[int]], dst: Sequence[Sequence[int]]) -> Any:
+        if len(src) == len(dst):
+            src = [
+                list(s)[: len(d)] if len(s) >= len(d) else s for s, d in zip(src, dst, strict=True)
+            ]
+        return original(src, dst)
+
+    replace(planning, "_select", select)
+
+
+@mutant("pp-aligns-exact", "prefill", "aligns the exact layer sets whatever the PP sizes")
+def _pp_aligns_exact() -> None:
+    original = planning._align
+
+    def align(producer: Side, consumer: Side) -> Any:
+        return original(producer, dataclasses.replace(consumer, pp_size=producer.pp_size))
+
+    replace(planning, "_align", align)

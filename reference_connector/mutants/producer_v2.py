@@ -1,0 +1,242 @@
+"""Mutants of P's pdwire/2 behaviour (§3.5, §3.6, §8, §10.11), each a patch of the producer
+session."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pdwire import producer as producer_module
+from pdwire.codec import encode_response
+from pdwire.events import (
+    FreeBlocks,
+    FreeReason,
+    MessageReceived,
+    SendReply,
+    TransferFinished,
+    TransferStarted,
+    TransferWillNotSend,
+)
+from pdwire.messages import ErrorCode, XferCancel, XferMetadataV2, XferResponseV2
+from pdwire.messages import XferResponseStatus as Status
+from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
+from pdwire.producer import ProducerConfig, ProducerSession
+from pdwire.transitions import TERMINAL
+from pdwire.versions import ALL_CAPS, CURRENT_VERSION, Capability
+
+from . import mutant, replace
+
+# -- negotiation (§8) -----------------------------------------------------------------------
+
+
+@mutant("no-code-filter", "prefill", "sends every error code, whether its capability is agreed")
+def _no_code_filter() -> None:
+    replace(producer_module, "_drop_unagreed_codes", lambda reply, agreement: None)
+
+
+@mutant(
+    "remembers-peer-version", "prefill", "answers a D worker as it announced in an earlier pull"
+)
+def _remembers_peer_version() -> None:
+    original = ProducerSession._on_pull
+    announced: set[tuple[str, int, int]] = set()
+
+    def on_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        peer = (msg.remote_hostname, msg.remote_port, msg.remote_tp_rank)
+        if msg.pdwire_version >= 2:
+            announced.add(peer)
+        elif peer in announced:
+            msg.pdwire_version, msg.pdwire_caps = CURRENT_VERSION, sorted(ALL_CAPS)
+        original(self, identity, msg, now)
+
+    replace(ProducerSession, "_on_pull", on_pull)
+
+
+@mutant(
+    "newer-version-legacy", "prefill", "answers a D announcing a version above its own as legacy"
+)
+def _newer_version_legacy() -> None:
+    original = ProducerSession._agreement
+
+    def agreement(self: ProducerSession, version: int, caps: list[str]) -> Any:
+        if version > CURRENT_VERSION:
+            return negotiate("P", self._offer, LEGACY_PEER)
+        return original(self, version, caps)
+
+    replace(ProducerSession, "_agreement", agreement)
+
+
+@mutant(
+    "rejects-unknown-caps", "prefill", "answers ERROR to a pull announcing a capability it lacks"
+)
+def _rejects_unknown_caps() -> None:
+    original = ProducerSession._check_pull
+
+    def check(self: ProducerSession, msg: XferMetadataV2, agreement: Any) -> Any:
+        unknown = sorted(set(msg.pdwire_caps) - ALL_CAPS)
+        if unknown:
+            return ErrorCode.BAD_MESSAGE, f"unknown capabilities {unknown}", Status.ERROR
+        return original(self, msg, agreement)
+
+    replace(ProducerSession, "_check_pull", check)
+
+
+@mutant("upper-case-caps", "prefill", "announces its capabilities in upper case")
+def _upper_case_caps() -> None:
+    original = ProducerSession.__init__
+
+    def init(self: ProducerSession, config: ProducerConfig) -> None:
+        original(self, config)
+        self._offer = Offer(self._offer.version, frozenset(c.upper() for c in self._offer.caps))
+
+    replace(ProducerSession, "__init__", init)
+
+
+# -- fingerprint (§3.6) -----------------------------------------------------------------------
+
+
+@mutant("no-fingerprint-check", "prefill", "never compares a pull's fingerprint with its own")
+def _no_fingerprint_check() -> None:
+    original = ProducerSession._check_pull
+
+    def check(self: ProducerSession, msg: XferMetadataV2, agreement: Any) -> Any:
+        return original(self, msgspec.structs.replace(msg, fingerprint=None), agreement)
+
+    replace(ProducerSession, "_check_pull", check)
+
+
+@mutant("requires-fingerprint", "prefill", "answers ERROR to a pdwire/2 pull without a fingerprint")
+def _requires_fingerprint() -> None:
+    original = ProducerSession._check_pull
+
+    def check(self: ProducerSession, msg: XferMetadataV2, agreement: Any) -> Any:
+        if agreement.allows(Capability.FINGERPRINT) and msg.fingerprint is None:
+            return ErrorCode.FINGERPRINT_MISMATCH, "no fingerprint", Status.ERROR
+        return original(self, msg, agreement)
+
+    replace(ProducerSession, "_check_pull", check)
+
+
+@mutant("no-pp-size-check", "prefill", "never checks for a missing remote_pp_size (10.11.11)")
+def _no_pp_size_check() -> None:
+    replace(ProducerSession, "_check_pp_size", lambda self, msg: None)
+
+
+# -- transfers P will not send, duplicates (§10.11) -------------------------------------------
+
+
+@mutant("stall-on-stop", "prefill", "frees a stop-token request's blocks but wakes no pull for it")
+def _stall_on_stop() -> None:
+    def will_not_send(self: ProducerSession, ev: TransferWillNotSend, now: float) -> None:
+        self._out.append(FreeBlocks(ev.p_req_id, ev.transfer_id, FreeReason.WILL_NOT_SEND))
+
+    replace(ProducerSession, "_on_will_not_send", will_not_send)
+
+
+@mutant("duplicate-overwrites", "prefill", "lets a request overwrite another's transfer_id state")
+def _duplicate_overwrites() -> None:
+    original = ProducerSession._on_started
+
+    def started(self: ProducerSession, ev: TransferStarted, now: float) -> None:
+        t = self._transfers.get(ev.transfer_id)
+        if t is not None and t.p_req_id and t.p_req_id != ev.p_req_id:
+            del self._transfers[ev.transfer_id]
+        original(self, ev, now)
+
+    replace(ProducerSession, "_on_started", started)
+
+
+@mutant("unbound-transfer-ids", "prefill", "serves any d_req_id that names a transfer_id")
+def _unbound_transfer_ids() -> None:
+    original = ProducerSession._on_pull
+
+    def on_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        for transfer_id, _ in msg.req_blocks.values():
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                t.bound_d_req = None
+        original(self, identity, msg, now)
+
+    replace(ProducerSession, "_on_pull", on_pull)
+
+
+@mutant("reused-id-stalls", "prefill", "loses a request whose transfer_id was used and served")
+def _reused_id_stalls() -> None:
+    started, finished = ProducerSession._on_started, ProducerSession._on_finished
+    reused: set[str] = set()
+
+    def on_started(self: ProducerSession, ev: TransferStarted, now: float) -> None:
+        t = self._transfers.get(ev.transfer_id)
+        if t is not None and t.state in TERMINAL:
+            reused.add(ev.transfer_id)
+        started(self, ev, now)
+
+    def on_finished(self: ProducerSession, ev: TransferFinished, now: float) -> None:
+        if ev.transfer_id in reused:
+            raise KeyError(ev.transfer_id)  # vLLM 0.33's record_send_reqs (risk 3)
+        finished(self, ev, now)
+
+    replace(ProducerSession, "_on_started", on_started)
+    replace(ProducerSession, "_on_finished", on_finished)
+
+
+# -- cancel (§3.5) ----------------------------------------------------------------------------
+
+
+@mutant("cancel-ignored", "prefill", "answers a cancel with an empty FINISH and does nothing")
+def _cancel_ignored() -> None:
+    def on_cancel(
+        self: ProducerSession, ev: MessageReceived, cancel: XferCancel, now: float
+    ) -> None:
+        agreement = self._agreement(cancel.pdwire_version, [])
+        self._reply(ev.identity, agreement, XferResponseV2(Status.FINISH))
+
+    replace(ProducerSession, "_on_cancel", on_cancel)
+
+
+@mutant("cancel-not-counted", "prefill", "does not count a cancelled pull as settled")
+def _cancel_not_counted() -> None:
+    original = ProducerSession._settle
+
+    def settle(
+        self: ProducerSession, t: Any, peer: Any, reason: FreeReason = FreeReason.SERVED
+    ) -> None:
+        if reason is not FreeReason.CANCELLED:
+            original(self, t, peer, reason)
+
+    replace(ProducerSession, "_settle", settle)
+
+
+@mutant("cancel-lists-all", "prefill", "lists every d_req_id of a cancel as cancelled")
+def _cancel_lists_all() -> None:
+    original = ProducerSession._on_cancel
+
+    def on_cancel(
+        self: ProducerSession, ev: MessageReceived, cancel: XferCancel, now: float
+    ) -> None:
+        n = len(self._out)
+        original(self, ev, cancel, now)
+        for i in range(n, len(self._out)):
+            out = self._out[i]
+            if isinstance(out, SendReply) and out.identity == ev.identity:
+                out.reply.ok_reqs = sorted(cancel.cancel_reqs)
+                agreement = self._agreement(cancel.pdwire_version, [])
+                self._out[i] = SendReply(
+                    ev.identity, out.reply, encode_response(out.reply, agreement)
+                )
+
+    replace(ProducerSession, "_on_cancel", on_cancel)
+
+
+# -- deadline (§6.2) --------------------------------------------------------------------------
+
+
+@mutant("ignores-deadline", "prefill", "never stops waiting at a pull's deadline_ms")
+def _ignores_deadline() -> None:
+    original = ProducerSession._open_pull
+
+    def open_pull(self: ProducerSession, identity: bytes, msg: XferMetadataV2, *args: Any) -> Any:
+        return original(self, identity, msgspec.structs.replace(msg, deadline_ms=0), *args)
+
+    replace(ProducerSession, "_open_pull", open_pull)
