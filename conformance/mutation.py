@@ -21,6 +21,8 @@ from .selftest import Testbed, roles_for, run_suites, testbed
 
 #: Longer than the testees' timers: what a mutant run left behind must be freed by then.
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
+#: Runs of one mutant when a testee fails to start or to switch (not when a case fails).
+TRIES = 2
 
 
 @dataclasses.dataclass
@@ -75,13 +77,30 @@ async def check_mutants(
         for name in names:
             m = info[name]
             mine = [c for c in cases if name in c.caught_by]
-            result = MutantResult(name, m.role, "switched", {})
-            if m.switchable:
-                result.verdicts = await _switched(bed, name, m.role, mine, timeout)
-            if not m.switchable or not result.caught:
-                result.mode = "own node"
-                result.verdicts = await _on_own_node(name, m.role, mine, timeout)
+            for attempt in range(TRIES):
+                try:
+                    result = await _check_one(bed, m, mine, timeout)
+                    break
+                except testees.TesteeError:
+                    # a node that failed to start or to switch says nothing about the mutant:
+                    # start the testbed afresh and run the mutant again
+                    if attempt == TRIES - 1:
+                        raise
+                    for role in ("decode", "prefill"):
+                        await bed.restart(role)
             out.append(result)
             if on_result is not None:
                 on_result(result)
     return out
+
+
+async def _check_one(
+    bed: Testbed, m: testees.MutantInfo, cases: Sequence[Case], timeout: float
+) -> MutantResult:
+    result = MutantResult(m.name, m.role, "switched", {})
+    if m.switchable:
+        result.verdicts = await _switched(bed, m.name, m.role, cases, timeout)
+    if not m.switchable or not result.caught:
+        result.mode = "own node"
+        result.verdicts = await _on_own_node(m.name, m.role, cases, timeout)
+    return result

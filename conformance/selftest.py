@@ -77,8 +77,9 @@ class Testbed:
             raise errors[0]
 
     async def restart(self, role: testees.Role) -> None:
-        node = self.nodes.pop(role)
-        await asyncio.to_thread(node.stop)
+        node = self.nodes.pop(role, None)
+        if node is not None:
+            await asyncio.to_thread(node.stop)
         self.nodes[role] = await asyncio.to_thread(start, role, "", True)
 
     async def stop(self) -> None:

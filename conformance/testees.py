@@ -54,7 +54,10 @@ class Testee:
 
     def set_mutant(self, name: str, timeout: float = 30.0) -> None:
         """Switch a node started with ``mutant_control`` to mutant ``name`` ("" = none)."""
-        response = httpx.post(f"{self.url}/pdwire/mutant", json={"name": name}, timeout=timeout)
+        try:
+            response = httpx.post(f"{self.url}/pdwire/mutant", json={"name": name}, timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise TesteeError(f"{self.role} node did not switch to mutant {name!r}: {exc}") from exc
         if response.status_code != 200:
             raise TesteeError(f"{self.role} node refused mutant {name!r}: {response.text}")
         self.mutant = name

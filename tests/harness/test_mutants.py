@@ -18,6 +18,7 @@ def test_every_mutant_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[st
     report = tmp_path / "mutants.json"
     code = cli.main(["mutants", "--check", "--json", str(report)])
     out, err = capsys.readouterr()
+    assert report.exists(), err  # the check ran to its end
     rows = json.loads(report.read_text())
     assert {r["name"] for r in rows} == set(mutants.NAMES)
     survived = {r["name"]: r["verdicts"] for r in rows if not r["caught"]}

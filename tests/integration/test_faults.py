@@ -273,7 +273,8 @@ def test_d_gone_mid_transfer_p_frees_and_keeps_serving(
         c.finished([r])
         reason = p_frees(p, r, {FreeReason.SERVED, FreeReason.EXPIRED}, abort + WAIT)
         freed_after = time.perf_counter() - t0
-        assert p.agent.writes == writes + 1
+        # served: P wrote into the gone engine; expired: stopping D's engine outlasted the wait
+        assert p.agent.writes == writes + (1 if reason is FreeReason.SERVED else 0)
         assert watch.wait(lambda s: s.open_pulls == 0 and s.blocks_held == 0, WAIT)
         assert not doomed.inbox.reported()  # a stopped agent reports nothing
         logger.info("%s: D gone, P freed %s after %.2fs", profile, reason, freed_after)
