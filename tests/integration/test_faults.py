@@ -273,8 +273,10 @@ def test_d_gone_mid_transfer_p_frees_and_keeps_serving(
         c.finished([r])
         reason = p_frees(p, r, {FreeReason.SERVED, FreeReason.EXPIRED}, abort + WAIT)
         freed_after = time.perf_counter() - t0
-        # served: P wrote into the gone engine; expired: stopping D's engine outlasted the wait
-        assert p.agent.writes == writes + (1 if reason is FreeReason.SERVED else 0)
+        # P tries the write once; it may find the pull expired first, when stopping D's engine
+        # outlasted P's ready wait
+        tried = p.agent.writes - writes
+        assert tried == 1 if reason is FreeReason.SERVED else tried in (0, 1)
         assert watch.wait(lambda s: s.open_pulls == 0 and s.blocks_held == 0, WAIT)
         assert not doomed.inbox.reported()  # a stopped agent reports nothing
         logger.info("%s: D gone, P freed %s after %.2fs", profile, reason, freed_after)
