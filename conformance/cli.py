@@ -94,6 +94,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; timer cases are skipped without it",
     )
+    prod.add_argument(
+        "--max-message-bytes",
+        type=int,
+        metavar="N",
+        help="P's size limit on side-channel messages (pdwire's default: 67108864); the case "
+        "of a message over the limit is skipped without it",
+    )
+    _auth_key(prod, "P")
     _geometry(prod)
     _common(prod)
     prod.set_defaults(func=cmd_producer)
@@ -121,6 +129,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="D's receive timeout per pull, when known (default: --abort-timeout "
         "+ 60); receive-timeout cases are skipped without either",
     )
+    _auth_key(cons, "D")
     _common(cons)
     cons.set_defaults(func=cmd_consumer)
 
@@ -141,6 +150,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     pair.add_argument("--model", help="the model name to send (default: from /v1/models)")
     _common(pair)
     pair.set_defaults(func=cmd_pair)
+
+    prox = sub.add_parser(
+        "proxy",
+        help="check a proxy: the harness is the client, P and D",
+        description="Check a disaggregation proxy (spec 5.4). The harness starts the proxy "
+        "from --command, pointed at its own fake P API, P bootstrap and D API servers, restarts "
+        "it when a case needs backends in another state, and checks both legs of every request "
+        "and what the client gets back.",
+    )
+    prox.add_argument(
+        "--command",
+        required=True,
+        metavar="TEMPLATE",
+        help="the command line that starts the proxy; placeholders {port} (where it must "
+        "listen), {prefill_url}, {bootstrap_url}, {decode_url}, their {*_host} and {*_port}, "
+        "{host}, {python}; {bootstrap_url} and {bootstrap_port} are 'none' in the case of an "
+        "omitted bootstrap port. E.g. 'pdwire proxy --port {port} --prefill "
+        "{prefill_url}@{bootstrap_url} --decode {decode_url}'",
+    )
+    prox.add_argument(
+        "--key-command",
+        metavar="TEMPLATE",
+        help="the same for a proxy with an API key, given as {api_key} and in the environment "
+        "variable PDWIRE_CONFORMANCE_API_KEY (the API-key case is skipped without it)",
+    )
+    _common(prox)
+    prox.set_defaults(func=cmd_proxy)
 
     from .matrix import add_matrix_parser
     from .preflight import add_preflight_parser
@@ -304,6 +340,28 @@ def _run(
     return finish(args, results, testee)
 
 
+def _auth_key(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--auth-key-file",
+        metavar="PATH",
+        help=f"the key {role} shares (§8.6): the harness signs and checks with it; the "
+        "authentication cases (*/8.6/*) are skipped without it",
+    )
+
+
+def read_auth_key(args: argparse.Namespace) -> bytes | None:
+    """The key of ``--auth-key-file``: the file's bytes less a trailing newline."""
+    if not args.auth_key_file:
+        return None
+    try:
+        key = Path(args.auth_key_file).read_bytes().rstrip(b"\r\n")
+    except OSError as exc:
+        raise SystemExit(f"pdwire conformance: {exc}") from None
+    if not key:
+        raise SystemExit(f"pdwire conformance: {args.auth_key_file}: the key file is empty")
+    return key
+
+
 def producer_options(args: argparse.Namespace) -> Any:
     from pdwire.sim.geometry import Geometry
 
@@ -326,6 +384,8 @@ def producer_options(args: argparse.Namespace) -> Any:
         model=args.model,
         abort_timeout=args.abort_timeout,
         request_timeout=args.timeout,
+        auth_key=read_auth_key(args),
+        max_message_bytes=args.max_message_bytes,
     )
 
 
@@ -351,6 +411,7 @@ def cmd_consumer(args: argparse.Namespace) -> int:
         abort_timeout=args.abort_timeout,
         receive_timeout=args.receive_timeout,
         request_timeout=args.timeout,
+        auth_key=read_auth_key(args),
     )
     testee = {"role": "consumer", "api": options.api}
     return _run(
@@ -390,6 +451,28 @@ def cmd_pair(args: argparse.Namespace) -> int:
     testee = {"role": "pair", "prefill": prefill, "bootstrap": bootstrap, "decode": options.decode}
     return _run(
         args, Suite.PAIR, lambda cases, ro, progress: run_pair(options, cases, ro, progress), testee
+    )
+
+
+def cmd_proxy(args: argparse.Namespace) -> int:
+    from .suites.proxy_env import ProxyOptions, check_template, run_proxy
+
+    for template in (args.command, args.key_command):
+        try:
+            if template is not None:
+                check_template(template)
+        except ValueError as exc:
+            print(f"pdwire conformance proxy: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    options = ProxyOptions(
+        command=args.command, key_command=args.key_command, request_timeout=args.timeout
+    )
+    testee = {"role": "proxy", "command": args.command}
+    return _run(
+        args,
+        Suite.PROXY,
+        lambda cases, ro, progress: run_proxy(options, cases, ro, progress),
+        testee,
     )
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from . import testees
 from .case import Case, Verdict
 from .runner import RunOptions
-from .selftest import Testbed, roles_for, run_suites, testbed
+from .selftest import Testbed, keyed, roles_for, run_suites, testbed
 
 #: Longer than the testees' timers: what a mutant run left behind must be freed by then.
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
@@ -38,9 +38,9 @@ class MutantResult:
 
 
 async def _on_own_node(
-    name: str, role: str, cases: Sequence[Case], timeout: float
+    name: str, role: str, cases: Sequence[Case], timeout: float, keyed: bool
 ) -> dict[str, str]:
-    async with testbed(roles_for(cases), mutant=name, role=role) as bed:
+    async with testbed(roles_for(cases), mutant=name, role=role, keyed=keyed) as bed:
         results = await run_suites(bed, cases, RunOptions(strict=True), None, timeout)
     return {r.case.id: r.verdict.value for r in results}
 
@@ -67,40 +67,70 @@ async def check_mutants(
     timeout: float,
     on_result: Callable[[MutantResult], None] | None = None,
 ) -> list[MutantResult]:
-    """Run each of ``names`` against the cases that name it."""
+    """Run each of ``names`` against the cases that name it: in one switching testbed, and in
+    a second one sharing a key for the cases that need it (§8.6)."""
     info = testees.mutants()
     unknown = [n for n in names if n not in info]
     if unknown:
         raise RuntimeError(f"no such mutants: {', '.join(unknown)}")
     out: list[MutantResult] = []
-    async with testbed({"prefill", "decode"}, mutant_control=True) as bed:
+    beds: dict[bool, Testbed] = {}
+    try:
         for name in names:
             m = info[name]
-            mine = [c for c in cases if name in c.caught_by]
-            for attempt in range(TRIES):
-                try:
-                    result = await _check_one(bed, m, mine, timeout)
-                    break
-                except testees.TesteeError:
-                    # a node that failed to start or to switch says nothing about the mutant:
-                    # start the testbed afresh and run the mutant again
-                    if attempt == TRIES - 1:
-                        raise
-                    for role in ("decode", "prefill"):
-                        await bed.restart(role)
+            if m.role == "proxy":  # on a proxy of its own, which the proxy suite starts
+                mine = [c for c in cases if name in c.caught_by]
+                verdicts = await _on_own_node(name, m.role, mine, timeout, False)
+                out.append(MutantResult(name, m.role, "own node", verdicts))
+                if on_result is not None:
+                    on_result(out[-1])
+                continue
+            result = MutantResult(name, m.role, "switched", {})
+            for with_key in (False, True):
+                mine = [c for c in cases if name in c.caught_by and keyed(c) == with_key]
+                if not mine:
+                    continue
+                if with_key not in beds:
+                    beds[with_key] = Testbed()
+                    await beds[with_key].start(
+                        {"prefill", "decode"}, mutant_control=True, keyed=with_key
+                    )
+                one = await _with_retry(beds[with_key], m, mine, timeout, with_key)
+                result.verdicts.update(one.verdicts)
+                if one.mode != result.mode:
+                    result.mode = one.mode
             out.append(result)
             if on_result is not None:
                 on_result(result)
+    finally:
+        for bed in beds.values():
+            await bed.stop()
     return out
 
 
+async def _with_retry(
+    bed: Testbed, m: testees.MutantInfo, cases: Sequence[Case], timeout: float, keyed: bool
+) -> MutantResult:
+    for attempt in range(TRIES):
+        try:
+            return await _check_one(bed, m, cases, timeout, keyed)
+        except testees.TesteeError:
+            # a node that failed to start or to switch says nothing about the mutant: start
+            # the testbed afresh and run the mutant again
+            if attempt == TRIES - 1:
+                raise
+            for role in ("decode", "prefill"):
+                await bed.restart(role)
+    raise AssertionError("unreachable")
+
+
 async def _check_one(
-    bed: Testbed, m: testees.MutantInfo, cases: Sequence[Case], timeout: float
+    bed: Testbed, m: testees.MutantInfo, cases: Sequence[Case], timeout: float, keyed: bool
 ) -> MutantResult:
     result = MutantResult(m.name, m.role, "switched", {})
-    if m.switchable:
+    if m.switchable and m.role != "proxy":
         result.verdicts = await _switched(bed, m.name, m.role, cases, timeout)
     if not m.switchable or not result.caught:
         result.mode = "own node"
-        result.verdicts = await _on_own_node(m.name, m.role, cases, timeout)
+        result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, keyed)
     return result

@@ -37,6 +37,7 @@ _OPTIONS = {
     Suite.PRODUCER: "--pdwire-producer",
     Suite.CONSUMER: "--pdwire-consumer",
     Suite.PAIR: "--pdwire-pair",
+    Suite.PROXY: "--pdwire-proxy",
 }
 
 
@@ -52,6 +53,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--pdwire-pair",
         metavar="PREFILL[@BOOTSTRAP],DECODE",
         help="run pair cases against this P and D",
+    )
+    group.addoption(
+        "--pdwire-proxy",
+        metavar="TEMPLATE",
+        help="run proxy cases against the proxy this command line starts (placeholders as "
+        "pdwire conformance proxy --command takes them)",
     )
     group.addoption(
         "--pdwire-abort-timeout",
@@ -160,6 +167,11 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
             ConsumerOptions(api=target, abort_timeout=abort, request_timeout=timeout)
         )
         return cenv, lambda log: ConsumerCtx(cenv, log)
+    if suite is Suite.PROXY:
+        from .suites.proxy_env import ProxyCtx, ProxyEnv, ProxyOptions
+
+        xenv = ProxyEnv(ProxyOptions(command=target, request_timeout=timeout))
+        return xenv, lambda log: ProxyCtx(xenv, log)
     from .cli import parse_prefill
     from .suites.pair_env import PairCtx, PairEnv, PairOptions
 

@@ -3,7 +3,8 @@
 The reference P runs TP 2 (with its bootstrap server), the reference D TP 1 and decodes from
 whatever KV its P writes (``--no-verify-kv``), as an engine with a real model does: the consumer
 suite's fake P writes bytes of its own. Both run with short timers. A mutant goes to the testee
-of its role only.
+of its role only. The authentication cases (§8.6) run against a second P and D that share a key
+with the harness.
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
+import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
 from typing import Any
 
+from pdwire.codec import DEFAULT_MAX_MESSAGE_BYTES
 from pdwire.sim.geometry import Geometry
 
 from . import testees
@@ -24,6 +29,9 @@ PREFILL_TP = 2
 RECEIVE_TIMEOUT = 3.0  # the reference D's receive timeout per pull
 GEOMETRY = Geometry(testees.LAYERS, testees.KV_HEADS, testees.HEAD_DIM, testees.BLOCK_SIZE)
 DECODE_FLAGS = ("--no-verify-kv", "--receive-timeout", str(RECEIVE_TIMEOUT))
+AUTH_SECTION = "8.6"
+#: The key the keyed testees share with the harness.
+AUTH_KEY = b"pdwire conformance self"
 
 
 def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
@@ -37,12 +45,22 @@ def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
     return roles
 
 
-def start(role: testees.Role, mutant: str = "", mutant_control: bool = False) -> testees.Testee:
-    """A reference testee as a self run has it."""
+def keyed(c: Case) -> bool:
+    """Whether ``c`` needs testees that share a key with the harness (§8.6)."""
+    return c.section == AUTH_SECTION
+
+
+def start(
+    role: testees.Role, mutant: str = "", mutant_control: bool = False, key_file: str = ""
+) -> testees.Testee:
+    """A reference testee as a self run has it; with ``key_file``, sharing that key (§8.6)."""
+    extra = ("--auth-key-file", key_file) if key_file else ()
     if role == "prefill":
-        return testees.start_node(role, tp=PREFILL_TP, mutant=mutant, mutant_control=mutant_control)
+        return testees.start_node(
+            role, tp=PREFILL_TP, mutant=mutant, mutant_control=mutant_control, extra=extra
+        )
     return testees.start_node(
-        role, mutant=mutant, mutant_control=mutant_control, extra=DECODE_FLAGS
+        role, mutant=mutant, mutant_control=mutant_control, extra=(*DECODE_FLAGS, *extra)
     )
 
 
@@ -51,6 +69,13 @@ class Testbed:
     """The reference testees of a run, by role."""
 
     nodes: dict[testees.Role, testees.Testee] = dataclasses.field(default_factory=dict)
+    key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
+    mutant_control: bool = False
+    proxy_mutant: str = ""  # the proxy suite starts the reference proxy with this defect
+
+    @property
+    def auth_key(self) -> bytes | None:
+        return AUTH_KEY if self.key_file else None
 
     async def start(
         self,
@@ -58,13 +83,22 @@ class Testbed:
         mutant: str = "",
         role: str = "",
         mutant_control: bool = False,
+        keyed: bool = False,
     ) -> None:
         """Start the nodes of ``roles`` at once (starting one is mostly waiting for its worker
-        processes); ``mutant`` goes to the node of ``role``."""
+        processes); ``mutant`` goes to the node of ``role``; ``keyed``: they share AUTH_KEY."""
+        self.mutant_control = mutant_control
+        self.proxy_mutant = mutant if role == "proxy" else ""
+        if keyed and not self.key_file:
+            fd, self.key_file = tempfile.mkstemp(prefix="pdwire-conformance-", suffix=".key")
+            with os.fdopen(fd, "wb") as f:
+                f.write(AUTH_KEY)
         todo = sorted(roles)
         got = await asyncio.gather(
             *(
-                asyncio.to_thread(start, r, mutant if r == role else "", mutant_control)
+                asyncio.to_thread(
+                    start, r, mutant if r == role else "", mutant_control, self.key_file
+                )
                 for r in todo
             ),
             return_exceptions=True,
@@ -80,11 +114,16 @@ class Testbed:
         node = self.nodes.pop(role, None)
         if node is not None:
             await asyncio.to_thread(node.stop)
-        self.nodes[role] = await asyncio.to_thread(start, role, "", True)
+        self.nodes[role] = await asyncio.to_thread(
+            start, role, "", self.mutant_control, self.key_file
+        )
 
     async def stop(self) -> None:
         await asyncio.gather(*(asyncio.to_thread(n.stop) for n in self.nodes.values()))
         self.nodes.clear()
+        if self.key_file:
+            Path(self.key_file).unlink(missing_ok=True)
+            self.key_file = ""
 
 
 async def run_suites(
@@ -108,6 +147,8 @@ async def run_suites(
             geometry=GEOMETRY,
             abort_timeout=testees.ABORT_TIMEOUT,
             request_timeout=timeout,
+            auth_key=bed.auth_key,
+            max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
         )
         results += await run_producer(popts, cases, options, on_result)
     if Suite.CONSUMER in wanted and d is not None:
@@ -118,6 +159,7 @@ async def run_suites(
             abort_timeout=testees.ABORT_TIMEOUT,
             receive_timeout=RECEIVE_TIMEOUT,
             request_timeout=timeout,
+            auth_key=bed.auth_key,
         )
         results += await run_consumer(copts, cases, options, on_result)
     if Suite.PAIR in wanted and p is not None and d is not None:
@@ -127,6 +169,11 @@ async def run_suites(
             prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
         )
         results += await run_pair(pairopts, cases, options, on_result)
+    if Suite.PROXY in wanted:
+        from .suites.proxy_env import reference_options, run_proxy
+
+        proxyopts = reference_options(bed.proxy_mutant, timeout)
+        results += await run_proxy(proxyopts, cases, options, on_result)
     return results
 
 
@@ -148,5 +195,11 @@ async def run_self(
     timeout: float,
 ) -> list[Result]:
     role = testees.mutants()[mutant].role if mutant else ""
-    async with testbed(roles_for(cases), mutant=mutant, role=role) as bed:
-        return await run_suites(bed, cases, options, on_result, timeout)
+    results: list[Result] = []
+    for with_key in (False, True):
+        mine = [c for c in cases if keyed(c) == with_key]
+        if not mine:
+            continue
+        async with testbed(roles_for(mine), mutant=mutant, role=role, keyed=with_key) as bed:
+            results += await run_suites(bed, mine, options, on_result, timeout)
+    return results

@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from contextlib import closing
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import httpx
 
 Role = Literal["prefill", "decode"]
+MutantRole = Literal["prefill", "decode", "proxy"]  # a proxy mutant: ``pdwire proxy --mutant``
 
 #: The reference testees' KV geometry: small, so a run moves little memory.
 GEOMETRY: Final = ("--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--block-size", "4")
@@ -41,8 +42,36 @@ class TesteeError(RuntimeError):
     """A testee did not start; the message holds the tail of its log."""
 
 
+class ChildProcess:
+    """A process the harness started, its output in ``log_path``."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout`` seconds; the log goes."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5.0)
+        self.log_path.unlink(missing_ok=True)
+
+
 @dataclasses.dataclass
-class Testee:
+class Testee(ChildProcess):
     """One running node."""
 
     role: Role
@@ -78,31 +107,33 @@ class Testee:
                     return False
                 time.sleep(0.1)  # polling another process's counters: nothing to await
 
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, timeout: float = 15.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5.0)
-        self.log_path.unlink(missing_ok=True)
+    def wait_healthy(self, timeout: float) -> None:
+        """Wait until the node answers ``/health``; stop it and raise ``TesteeError`` if it
+        exits or does not answer within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as http:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    tail = self.log_tail()
+                    self.stop()
+                    raise TesteeError(
+                        f"the {self.role} node exited with {self.process.returncode}:\n{tail}"
+                    )
+                try:
+                    if http.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)  # polling a child process for readiness: nothing to await
+        tail = self.log_tail()
+        self.stop()
+        raise TesteeError(f"the {self.role} node did not answer /health within {timeout}s:\n{tail}")
 
 
 @dataclasses.dataclass(frozen=True)
 class MutantInfo:
     name: str
-    role: Role
+    role: MutantRole
     switchable: bool  # can be switched on in a running node (--mutant-control)
 
 
@@ -115,13 +146,22 @@ def mutants() -> dict[str, MutantInfo]:
     found: dict[str, MutantInfo] = {}
     for line in out.splitlines():
         name, role, mode, *_ = line.split()
-        found[name] = MutantInfo(
-            name, "prefill" if role == "prefill" else "decode", mode == "switchable"
-        )
+        kind: MutantRole = "proxy" if role == "proxy" else "decode"
+        if role == "prefill":
+            kind = "prefill"
+        found[name] = MutantInfo(name, kind, mode == "switchable" and kind != "proxy")
     return found
 
 
-def start_node(
+def start_node(role: Role, *, timeout: float = 120.0, **options: Any) -> Testee:
+    """Start a reference node (``spawn_node``'s ``options``) and wait until it answers
+    ``/health``."""
+    testee = spawn_node(role, **options)
+    testee.wait_healthy(timeout)
+    return testee
+
+
+def spawn_node(
     role: Role,
     *,
     tp: int = 1,
@@ -133,18 +173,21 @@ def start_node(
     abort_timeout: float = ABORT_TIMEOUT,
     geometry: Sequence[str] = GEOMETRY,
     env: dict[str, str] | None = None,
-    timeout: float = 120.0,
+    bootstrap: str = "",
+    bootstrap_port: int = 0,
 ) -> Testee:
-    """Start a reference node and wait until it answers ``/health``."""
+    """Start a reference node, without waiting for it. A prefill node serves its own
+    bootstrap server on ``bootstrap_port`` (0: a free one), or registers at ``bootstrap``."""
     port = free_port()
     args = [
         sys.executable, "-m", "pdwire", "node", "--role", role, "--port", str(port),
         "--tp", str(tp), "--pp", str(pp), "--profile", profile, *geometry,
         "--num-blocks", "256", "--abort-timeout", str(abort_timeout), *extra,
     ]  # fmt: skip
-    bootstrap = ""
-    if role == "prefill":
-        bport = free_port()
+    if role == "prefill" and bootstrap:
+        args += ["--bootstrap", bootstrap]
+    elif role == "prefill":
+        bport = bootstrap_port or free_port()
         args += ["--bootstrap-port", str(bport)]
         bootstrap = f"http://127.0.0.1:{bport}"
     if mutant:
@@ -160,20 +203,4 @@ def start_node(
     }
     with os.fdopen(fd, "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environ)
-    testee = Testee(role, f"http://127.0.0.1:{port}", bootstrap, process, Path(name), mutant)
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=2.0) as http:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                tail = testee.log_tail()
-                testee.stop()
-                raise TesteeError(f"the {role} node exited with {process.returncode}:\n{tail}")
-            try:
-                if http.get(f"{testee.url}/health").status_code == 200:
-                    return testee
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)  # polling a child process for readiness: nothing to await
-    tail = testee.log_tail()
-    testee.stop()
-    raise TesteeError(f"the {role} node did not answer /health within {timeout}s:\n{tail}")
+    return Testee(role, f"http://127.0.0.1:{port}", bootstrap, process, Path(name), mutant)

@@ -15,7 +15,87 @@ from .requirements import Level, Requirement, catalogue
 
 #: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
 #: when a case covers it (a test fails on a stale entry).
-UNCOVERED: Final[dict[str, str]] = {}
+_DEPLOYMENT = (
+    "how a vLLM deployment is configured and started (which worker serves the bootstrap server, "
+    "and where workers register): not visible on the wire of an engine the harness meets "
+    "after its start-up"
+)
+_IN_FLIGHT = (
+    "the order of a write in flight and a timer or cancel inside P: a black box shows no moment "
+    "a write is in flight (pdwire's producer session is checked in tests/unit/test_producer.py "
+    "and tests/unit/test_state_machines.py)"
+)
+_GEOMETRY = (
+    "a KV-cache geometry the testees here do not have (hybrid KV-cache manager, Mamba, MLA, "
+    "kernel blocks smaller than blocks, shared groups, packed rows): the harness can only check "
+    "it against an engine that runs such a model"
+)
+_RESTART = (
+    "an engine re-registering its KV caches (a restart, or sleep and wake): the harness does not "
+    "start, stop or put to sleep the engine under test"
+)
+_REGISTRATION = (
+    "how a P worker registers at start-up (timeouts, attempts, backoff): the harness meets P "
+    "after it registered; tests/integration/test_bootstrap.py checks pdwire's client"
+)
+UNCOVERED: Final[dict[str, str]] = {
+    "2.1-R4": "whether a sender's list was empty or nil is the sender's own value: both decode "
+    "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
+    "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
+    "which no request to a testee here produces",
+    "3.5-R10": _IN_FLIGHT,
+    "3.5-R11": _IN_FLIGHT,
+    "6.3-R1": _IN_FLIGHT,
+    "10.9.2": _IN_FLIGHT,
+    "3.7-R2": _RESTART,
+    "3.7-R3": _RESTART,
+    "3.7-R5": _RESTART,
+    "3.7-R16": _RESTART,
+    "4.1-R12": "each worker's own registration reaches only the bootstrap server; the harness "
+    "sees the merged /query entry (the server's check of it, 4.1-R14, has cases)",
+    "4.4-R1": _REGISTRATION,
+    "4.4-R2": _REGISTRATION,
+    "4.4-R3": _REGISTRATION,
+    "4.4-R4": _REGISTRATION,
+    "4.4-R5": _REGISTRATION,
+    "4.4-R6": _REGISTRATION,
+    "4.4-R11": _DEPLOYMENT,
+    "4.4-R12": _DEPLOYMENT,
+    "4.4-R13": _DEPLOYMENT,
+    "4.4-R14": _DEPLOYMENT,
+    "4.4-R15": _DEPLOYMENT,
+    "4.4-R16": _DEPLOYMENT,
+    "5.3-R4": "a field an engine must ignore: no case can show it read, short of a testee that "
+    "reads it, which the reference testee has no place for",
+    "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "
+    "T after the pull and before its placeholder expires, also at T (§6.2); "
+    "tests/unit/test_producer.py checks pdwire's producer session",
+    "6.3-R7": "needs a D that batches several requests into one pull; a D batches as it chooses, "
+    "and the harness cannot make it (tests/unit/test_consumer.py checks pdwire's)",
+    "8.4-R6": "no wire version after pdwire/2 exists yet to add a status or a message type",
+    "8.4-R8": "a rule of pdwire's library API, not of the wire: tests/unit/test_negotiation.py",
+    "9.1-R6": _GEOMETRY,
+    "10.1.1": "a D of TP 2 or more is needed for a P TP that is not a multiple of it; the D of "
+    "pdwire conformance self runs TP 1 (tests/unit/test_consumer.py checks pdwire's D)",
+    "10.2.1": "needs a P of several PP stages; the P of pdwire conformance self runs PP 1",
+    "10.2.8": _GEOMETRY,
+    "10.3.2": "need_send is P's count of the pulls it waits for: a black box shows only when it "
+    "frees, which other cases check (tests/unit/test_producer.py checks pdwire's count)",
+    "10.4.7": _GEOMETRY,
+    "10.6.3": _GEOMETRY,
+    "10.6.6": _GEOMETRY,
+    "10.6.7": _GEOMETRY,
+    "10.7.8": _GEOMETRY,
+    "10.8.7": _GEOMETRY,
+    "10.8.8": _GEOMETRY,
+    "10.8.14": _GEOMETRY,
+    "10.10.7": _GEOMETRY,
+    "10.10.8": "D sends a release-only request when its prefix cache holds the whole prompt or "
+    "the request was aborted before D allocated blocks; neither can be brought about "
+    "through a D's API here (tests/unit/test_consumer.py checks pdwire's D)",
+    "10.10.9": "what D reports to its own scheduler is inside D "
+    "(tests/unit/test_consumer.py checks pdwire's D)",
+}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -259,7 +259,9 @@ def _invalid(exc: msgspec.ValidationError, kind: str) -> DecodeError:
     if missing:
         path = f"{path}.{missing['field']}"
     top = re.match(r"^\$\.(\w+)", path)
-    section = _FIELD_SECTIONS.get(top[1], KIND_SECTIONS[kind]) if top else KIND_SECTIONS[kind]
+    # Kinds without a schema (``message``) fail only on the encoding: a bad timestamp extension.
+    default = KIND_SECTIONS.get(kind, sections.ENCODING)
+    section = _FIELD_SECTIONS.get(top[1], default) if top else default
     return DecodeError(message, path=path, section=section, kind=kind)
 
 
@@ -281,7 +283,7 @@ def _check_pull(m: XferMetadata) -> Problem:
         and len(m.registered_shared_group_ids) == n
         and len(m.registered_row_offsets) == n
     ):
-        return None
+        return _payload_past_stride(m)
     if m.remote_tp_rank >= m.remote_tp_size:
         return (
             "$.remote_tp_rank",
@@ -290,6 +292,18 @@ def _check_pull(m: XferMetadata) -> Problem:
     for name, k in zip(REGION_LISTS, map(len, _region_lists(m)), strict=True):
         if k and k != n:
             return f"$.{name}", f"{k} entries for {n} regions (must be {n} or absent)"
+    return _payload_past_stride(m)
+
+
+def _payload_past_stride(m: XferMetadata) -> Problem:
+    """3.2-R21: a region's payload must fit its stride, or P would write into the next block."""
+    if m.kv_block_lens and m.block_lens:
+        for i, (payload, stride) in enumerate(zip(m.kv_block_lens, m.block_lens, strict=True)):
+            if payload > stride:
+                return (
+                    f"$.kv_block_lens[{i}]",
+                    f"{payload} payload bytes exceed the block stride {stride} of region {i}",
+                )
     return None
 
 

@@ -35,7 +35,7 @@ from .http_models import EngineEntry
 from .messages import ErrorCode, Fingerprint, XferCancel, XferMetadata, XferMetadataV2
 from .messages import XferResponseStatus as Status
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
-from .planning import Side, target_ranks
+from .planning import Side, layout_of, target_ranks
 from .session import Session, Timer
 from .transitions import LOAD_TRANSITIONS, LoadEvent, LoadState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
@@ -137,12 +137,15 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         load.state = nxt
 
     def _on_loads(self, ev: LoadsRequested, now: float) -> None:
-        by_engine: dict[str, list[LoadRequest]] = defaultdict(list)
-        for req in ev.requests:
-            if req.d_req_id in self._loads:
+        seen: set[str] = set()
+        for req in ev.requests:  # refuse the whole batch before taking any of it
+            if req.d_req_id in self._loads or req.d_req_id in seen:
                 raise LocalProtocolError(
                     f"request {req.d_req_id} is already loading", section=sections.BEHAVIOUR
                 )
+            seen.add(req.d_req_id)
+        by_engine: dict[str, list[LoadRequest]] = defaultdict(list)
+        for req in ev.requests:
             load = self._loads[req.d_req_id] = _Load(req)
             if self.config.profile == PDWIRE_2:
                 budget = req.deadline_ms / 1000 if req.deadline_ms > 0 else self.config.deadline
@@ -234,17 +237,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     # -- pulls -------------------------------------------------------------------------------
 
     def _layout_fields(self) -> dict[str, Any]:
-        regions = self.config.side.regions
-        return {
-            "kv_caches_base_addr": [r.base_addr for r in regions],
-            "block_lens": [r.block_len for r in regions],
-            "kv_block_lens": [r.kv_block_len for r in regions],
-            "registered_layer_names": [r.layer_name for r in regions],
-            "registered_layer_indices": [r.layer_index for r in regions],
-            "registered_group_indices": [r.group_index for r in regions],
-            "registered_shared_group_ids": [list(r.shared_group_ids) for r in regions],
-            "registered_row_offsets": [r.row_offset for r in regions],
-        }
+        return layout_of(self.config.side.regions)
 
     def _pull_message(
         self, reqs: dict[str, str], with_layout: bool, agreement: Agreement, now: float
@@ -352,8 +345,10 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             self._peers[pull.addr] = LEGACY_PEER
 
     def _fail_pull(self, pull: _Pull, code: ErrorCode, reason: str) -> None:
-        for d_req in list(pull.reqs):
-            self._settle(pull, d_req, (code, reason))
+        # A cancel that fails settles nothing: the pulls it withdrew are still open (§3.5).
+        if not pull.cancel:
+            for d_req in list(pull.reqs):
+                self._settle(pull, d_req, (code, reason))
         self._close(pull)
 
     def _close(self, pull: _Pull) -> None:
@@ -496,7 +491,9 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             self._fail_pull(pull, ErrorCode.DEADLINE_EXCEEDED, "transfer failed: timeout")
 
     def _after_timers(self, now: float) -> None:
-        due, self._due = self._due, []
+        # A load whose pulls all failed in this same handle is already reported and forgotten.
+        due = [d for d in self._due if self._loads.get(d.req.d_req_id) is d]
+        self._due = []
         if not due:
             return
         names = {d.req.d_req_id for d in due}
@@ -514,9 +511,9 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             self._acked.discard(pull.addr)
 
     def _drop_waiting(self, load: _Load) -> None:
+        # By id: an abort while resolving replaced ``load.req`` with a release-only copy.
         waiting = self._waiting.get(load.req.engine_id, [])
-        if load.req in waiting:
-            waiting.remove(load.req)
+        waiting[:] = [r for r in waiting if r.d_req_id != load.req.d_req_id]
 
 
 def _code(value: str | None) -> ErrorCode:

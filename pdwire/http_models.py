@@ -18,6 +18,8 @@ from .errors import DecodeError
 from .messages import V2, Fingerprint
 
 #: What ``addr`` must look like (§4.1): a ZMQ TCP endpoint with a host and a port.
+#: The longest registration body a pdwire server reads (4.1-R17).
+MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
 WORKER_ADDR: Final = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -149,6 +149,21 @@ def regions_of_pull(msg: XferMetadata) -> tuple[Region, ...]:
         )
         for i in range(n)
     )
+
+
+def layout_of(regions: Sequence[Region]) -> dict[str, Any]:
+    """The layout fields of a pull (§3.2) that describe ``regions``: what ``regions_of_pull``
+    reads back."""
+    return {
+        "kv_caches_base_addr": [r.base_addr for r in regions],
+        "block_lens": [r.block_len for r in regions],
+        "kv_block_lens": [r.kv_block_len for r in regions],
+        "registered_layer_names": [r.layer_name for r in regions],
+        "registered_layer_indices": [r.layer_index for r in regions],
+        "registered_group_indices": [r.group_index for r in regions],
+        "registered_shared_group_ids": [list(r.shared_group_ids) for r in regions],
+        "registered_row_offsets": [r.row_offset for r in regions],
+    }
 
 
 # -- TP pairing -------------------------------------------------------------------------------

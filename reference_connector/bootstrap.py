@@ -31,6 +31,7 @@ from pdwire.http_models import (
 )
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
+from .body_limit import REGISTER_BODY_LIMIT, BodyLimit
 from .http_server import AppServer
 
 logger = logging.getLogger(__name__)
@@ -217,6 +218,7 @@ def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_V
     if legacy and auth_key is not None:
         raise ValueError("a legacy bootstrap server cannot authenticate registrations")
     app = FastAPI(title="pdwire bootstrap server", docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, limit=REGISTER_BODY_LIMIT)  # 4.1-R17
     app.state.registry = Registry(keep_pdwire_fields=not legacy)
 
     @app.post("/register", response_model=None)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
-from .cli_common import EXIT_USAGE, serve, standalone
+from .cli_common import EXIT_USAGE, read_key_file, serve, standalone
 
 if TYPE_CHECKING:  # the server (FastAPI, uvicorn) loads only when the command runs
     from .bootstrap import BootstrapServer
@@ -46,17 +45,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _read_key(path: str) -> bytes:
-    key = Path(path).read_bytes().rstrip(b"\r\n")
-    if not key:
-        raise ValueError(f"{path}: the auth key file is empty")
-    return key
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the server died, 2 on bad usage."""
     try:
-        key = _read_key(args.auth_key_file) if args.auth_key_file else None
+        key = read_key_file(args.auth_key_file) if args.auth_key_file else None
     except (OSError, ValueError) as exc:
         print(f"pdwire bootstrap: {exc}", file=sys.stderr)
         return EXIT_USAGE

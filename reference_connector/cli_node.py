@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdwire.versions import LEGACY, PDWIRE_2
 
-from .cli_common import serve, standalone
+from .cli_common import read_key_file, serve, standalone
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
     from .node import NodeServer
@@ -101,6 +101,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="serve POST /pdwire/mutant, which switches mutants on and off while the node runs",
     )
+    p.add_argument(
+        "--auth-key-file",
+        metavar="PATH",
+        help="sign and check every side-channel message and sign registrations with the key in "
+        "PATH (§8.6; pdwire/2 only); the node's own bootstrap server then requires it too",
+    )
+    p.add_argument(
+        "--prefill-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="prefill: pretend each remote prefill computes for S seconds before its KV is "
+        "ready (fault injection: a slow P)",
+    )
     p.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
     p.set_defaults(func=run)
     return p
@@ -112,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         from . import mutants
 
         for m in mutants.MUTANTS.values():
-            own = "own-node" if m.node else "switchable"
+            own = "own-proxy" if m.role == "proxy" else "own-node" if m.node else "switchable"
             print(f"{m.name:<28} {m.role:<8} {own:<10} {m.defect}")
         return 0
     from .kv_content import KVShape
@@ -125,19 +139,22 @@ def run(args: argparse.Namespace) -> int:
     role: Role = "prefill" if args.role == "prefill" else "decode"
     policy: Policy = "recompute" if args.load_failure_policy == "recompute" else "fail"
     overrides: dict[str, Any] = {}
+    try:
+        key = read_key_file(args.auth_key_file) if args.auth_key_file else None
+    except (OSError, ValueError) as exc:
+        print(f"pdwire node: {exc}", file=sys.stderr)
+        return 2
+    if key is not None and args.profile == LEGACY:
+        print("pdwire node: the legacy profile cannot carry auth_tag (§8.6)", file=sys.stderr)
+        return 2
     if args.mutant:
         from . import mutants
 
         try:
-            m = mutants.get(args.mutant)
-        except KeyError as exc:
-            print(f"pdwire node: {exc.args[0]}", file=sys.stderr)
+            overrides = dict(mutants.apply_for(args.mutant, role).node)
+        except ValueError as exc:
+            print(f"pdwire node: {exc}", file=sys.stderr)
             return 2
-        if m.role != role:
-            print(f"pdwire node: mutant {m.name} is a {m.role} defect", file=sys.stderr)
-            return 2
-        mutants.apply(m.name)
-        overrides = dict(m.node)
 
     def start() -> NodeServer:
         shape = KVShape(
@@ -168,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             mutant=args.mutant,
             verify_kv=not args.no_verify_kv,
             mutant_control=args.mutant_control,
+            prefill_delay=args.prefill_delay,
+            auth_key=key,
         )
         if overrides:
             config = dataclasses.replace(config, **overrides)

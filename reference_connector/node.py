@@ -34,6 +34,7 @@ from starlette.background import BackgroundTask
 
 from pdwire.versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
 
+from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
 from .bootstrap import BootstrapServer
 from .http_server import AppServer
 from .kv_content import (
@@ -81,6 +82,8 @@ class NodeConfig:
     mutant: str = ""  # applied in every worker; the front applies it itself (cli_node)
     verify_kv: bool = True  # decode: fail a load whose bytes are not the prompt's KV
     mutant_control: bool = False  # serve POST /pdwire/mutant (testing the harness only)
+    auth_key: bytes | None = None  # §8.6: sign and check side-channel messages and registrations
+    prefill_delay: float = 0.0  # prefill: seconds a remote prefill pretends to compute
 
 
 class NodeError(Exception):
@@ -166,7 +169,7 @@ class NodeEngine:
     def start(self) -> None:
         c = self.config
         if c.role == "prefill" and not self.bootstrap_url:
-            self._bootstrap = BootstrapServer().start(c.host, c.bootstrap_port)
+            self._bootstrap = BootstrapServer(auth_key=c.auth_key).start(c.host, c.bootstrap_port)
             self.bootstrap_url = self._bootstrap.url
         level = logging.getLogger().getEffectiveLevel()
         for pp in range(c.pp_size):
@@ -189,6 +192,7 @@ class NodeEngine:
                     abort_timeout=c.abort_timeout,
                     receive_timeout=c.receive_timeout,
                     mutant=c.mutant,
+                    auth_key=c.auth_key,
                 )
                 self.workers.append(WorkerHandle(spec, len(self.workers), self._on_event))
         try:
@@ -434,6 +438,8 @@ class NodeEngine:
             table = self._table(
                 await self._all("prefill", job.req, job.ids, blocks, transfer_id, False)
             )
+            if self.config.prefill_delay:
+                await asyncio.sleep(self.config.prefill_delay)  # a slow P (fault injection)
         except BaseException:
             # Every agent that saw transfer_started frees the blocks on will-not-send.
             await asyncio.gather(
@@ -752,6 +758,7 @@ class _Reply:
 def create_app(engine: NodeEngine) -> FastAPI:
     """The node's OpenAI-compatible routes, plus ``GET /pdwire/stats``."""
     app = FastAPI(title=f"pdwire {engine.config.role} node")
+    app.add_middleware(BodyLimit, limit=COMPLETION_BODY_LIMIT)
     model = engine.config.model
 
     @app.get("/health")

@@ -66,6 +66,7 @@ class WorkerSpec:
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
     receive_timeout: float | None = None  # D, per pull; None = abort_timeout + 60 (3.1-R8)
     mutant: str = ""  # a deliberate defect, for testing the conformance harness (mutants)
+    auth_key: bytes | None = None  # the shared key of §8.6
 
     @property
     def name(self) -> str:

@@ -32,6 +32,7 @@ from pdwire.http_models import DecodeParams, PrefillParams, QueryResponse
 from pdwire.versions import LEGACY, WIRE_VERSION, check_profile
 
 from . import bootstrap_client
+from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
 from .bootstrap_client import BootstrapError
 from .http_server import AppServer
 
@@ -509,6 +510,7 @@ def create_app(
             await proxy.close()
 
     app = FastAPI(title="pdwire proxy", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(BodyLimit, limit=COMPLETION_BODY_LIMIT)
     app.state.proxy = proxy
 
     @app.get("/health")

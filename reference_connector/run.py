@@ -126,6 +126,8 @@ class RunConfig:
     request_timeout: float = 300.0
     prefill_agent: str = ""  # the P workers' agent factory (MODULE:CALLABLE); "" = pdwire's
     decode_agent: str = ""  # the D workers' agent factory; "" = pdwire's
+    abort_timeout: float = 480.0  # both nodes' T (§6)
+    receive_timeout: float | None = None  # D's, per pull; None = abort_timeout + 60
 
     def __post_init__(self) -> None:
         for name in ("requests", "concurrency", "prompt_tokens", "max_tokens", "raw_repeats"):
@@ -199,7 +201,7 @@ class Case:
     expected: str
 
 
-def _case(config: RunConfig, index: int) -> Case:
+def make_case(config: RunConfig, index: int) -> Case:
     """Request ``index``: its prompt and expected text. A prompt whose first token would be the
     stop token is drawn again (P would have no KV to send: a load failure, not a run)."""
     shape = config.shape()
@@ -343,6 +345,8 @@ class Deployment:
                 load_timeout=c.request_timeout,
                 start_timeout=c.start_timeout,
                 agent=agent,
+                abort_timeout=c.abort_timeout,
+                receive_timeout=c.receive_timeout,
             )
         )
         if role == "prefill":
@@ -405,7 +409,7 @@ def _quietly(stop: Callable[[], None]) -> None:
         logger.exception("error while stopping")
 
 
-def _stats(http: httpx.Client, node: NodeServer) -> dict[str, Any]:
+def node_stats(http: httpx.Client, node: NodeServer) -> dict[str, Any]:
     reply = http.get(f"{node.url}/pdwire/stats")
     reply.raise_for_status()
     stats: dict[str, Any] = reply.json()
@@ -421,7 +425,7 @@ def _settled(http: httpx.Client, node: NodeServer) -> dict[str, Any]:
     blocks when its agents have, a moment after D answered."""
     deadline = time.monotonic() + _SETTLE_S
     while True:
-        stats = _stats(http, node)
+        stats = node_stats(http, node)
         if not stats["blocks_in_use"] or time.monotonic() >= deadline:
             return stats
         time.sleep(0.02)
@@ -470,7 +474,11 @@ def check(outcome: Outcome, kv_bytes: int) -> str | None:
     return None
 
 
-async def _stream(client: httpx.AsyncClient, url: str, config: RunConfig, out: Outcome) -> None:
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, config: RunConfig, out: Outcome, first_only: bool = False
+) -> None:
+    """Send ``out.case`` streamed and fill ``out``; with ``first_only`` the client closes the
+    stream once the first data chunk has come."""
     body = {
         "model": MODEL,
         "prompt": out.case.prompt,
@@ -502,6 +510,8 @@ async def _stream(client: httpx.AsyncClient, url: str, config: RunConfig, out: O
                 break
             if out.first is None:
                 out.first = time.perf_counter()
+                if first_only:
+                    return
             chunk = json.loads(data)
             if event == "error" or "error" in chunk:
                 out.error = f"stream error: {chunk.get('error', chunk)}"
@@ -534,7 +544,7 @@ async def _send_all(
             async with semaphore:
                 out = Outcome(case, time.perf_counter())
                 try:
-                    await _stream(client, url, config, out)
+                    await stream_completion(client, url, config, out)
                 except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                     out.error = f"{type(exc).__name__}: {exc}"
             out.why = check(out, kv_bytes)
@@ -629,11 +639,11 @@ def measure_raw_engine(descriptors: int, nbytes: int, repeats: int) -> RawResult
 # -- the report ------------------------------------------------------------------------------
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
+def percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def _round(value: float | None, digits: int = 3) -> float | None:
+def round_or_none(value: float | None, digits: int = 3) -> float | None:
     return None if value is None else round(value, digits)
 
 
@@ -685,11 +695,11 @@ class Report:
         return gbps / self.raw.gbps if gbps is not None and self.raw is not None else None
 
     def ttft(self, q: float) -> float | None:
-        return _percentile([o.ttft_ms for o in self.outcomes if o.ttft_ms is not None], q)
+        return percentile([o.ttft_ms for o in self.outcomes if o.ttft_ms is not None], q)
 
     def split_p50(self) -> dict[str, float | None]:
         rows = [s for s in self.splits if s is not None]
-        return {k: _percentile([s[k] for s in rows], 50) for k in SPLIT_KEYS}
+        return {k: percentile([s[k] for s in rows], 50) for k in SPLIT_KEYS}
 
     def as_dict(self) -> dict[str, Any]:
         per_request = [
@@ -697,7 +707,7 @@ class Report:
                 "request_id": o.case.request_id,
                 "verified": o.verified,
                 "why": o.why,
-                "ttft_ms": _round(o.ttft_ms),
+                "ttft_ms": round_or_none(o.ttft_ms),
                 "split_ms": None if s is None else {k: round(v, 3) for k, v in s.items()},
                 "bytes_verified": (o.pdwire or {}).get("bytes_verified"),
                 "timings_ms": (o.pdwire or {}).get("timings_ms"),
@@ -708,12 +718,12 @@ class Report:
             "requests": len(self.outcomes),
             "verified": self.verified,
             "failed": self.failed,
-            "ttft_ms_p50": _round(self.ttft(50)),
-            "ttft_ms_p90": _round(self.ttft(90)),
-            "ttft_split_ms_p50": {k: _round(v) for k, v in self.split_p50().items()},
-            "transfer_gbps": _round(self.transfer_gbps, 4),
-            "raw_engine_gbps": _round(self.raw.gbps if self.raw else None, 4),
-            "transfer_to_raw_ratio": _round(self.ratio, 4),
+            "ttft_ms_p50": round_or_none(self.ttft(50)),
+            "ttft_ms_p90": round_or_none(self.ttft(90)),
+            "ttft_split_ms_p50": {k: round_or_none(v) for k, v in self.split_p50().items()},
+            "transfer_gbps": round_or_none(self.transfer_gbps, 4),
+            "raw_engine_gbps": round_or_none(self.raw.gbps if self.raw else None, 4),
+            "transfer_to_raw_ratio": round_or_none(self.ratio, 4),
             "raw_engine_error": self.raw_error,
             "descriptors_per_request": self.descriptors_per_request,
             "kv_mb_per_request": self.kv_bytes / 1e6,
@@ -798,21 +808,29 @@ def run_deployment(config: RunConfig, progress: Progress | None = None) -> Repor
         f"pdwire run: {config.describe()}; {shape.num_blocks} blocks per pool, "
         f"{kv_bytes / 1e6:.3f} MB of KV per prompt"
     )
+    with deployed(config, progress) as (deployment, cases):
+        report = _measure(deployment, cases, kv_bytes, progress)
+    report.wall_s = time.perf_counter() - t0
+    return report
+
+
+@contextlib.contextmanager
+def deployed(config: RunConfig, progress: Progress) -> Iterator[tuple[Deployment, list[Case]]]:
+    """The started deployment and the ``config.requests`` cases (their expected texts computed
+    in threads while the nodes start); everything is stopped on the way out."""
     threads = min(os.cpu_count() or 1, config.requests, 4)
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="pdwire-expected")
     try:
-        futures = [pool.submit(_case, config, i) for i in range(config.requests)]
+        futures = [pool.submit(make_case, config, i) for i in range(config.requests)]
         with Deployment(config, progress) as deployment:
             deployment.start()
             with step(progress, f"expected texts ({threads} threads, in-process reference)"):
                 cases = [f.result() for f in futures]
-            report = _measure(deployment, cases, kv_bytes, progress)
+            yield deployment, cases
             with step(progress, "stopping P, D and the proxy"):
                 deployment.stop()
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    report.wall_s = time.perf_counter() - t0
-    return report
 
 
 def _measure(
@@ -822,7 +840,7 @@ def _measure(
     p, d, proxy = deployment.prefill, deployment.decode, deployment.proxy
     assert p is not None and d is not None and proxy is not None
     with httpx.Client(timeout=30.0) as http:
-        before = _stats(http, p)
+        before = node_stats(http, p)
         progress.line(f"sending {len(cases)} requests, {config.concurrency} at once")
         t0 = time.perf_counter()
         outcomes = asyncio.run(

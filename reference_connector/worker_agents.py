@@ -136,6 +136,7 @@ class ReferenceAgent:
                     profile=s.profile,
                     fingerprint=s.fingerprint(),
                     abort_timeout=s.abort_timeout,
+                    auth_key=s.auth_key,
                 )
                 self.producer = producer_agent(
                     config,
@@ -162,6 +163,7 @@ class ReferenceAgent:
                     fingerprint=s.fingerprint(),
                     layout_id=s.layout_id(),
                     receive_timeout=s.receive_timeout or s.abort_timeout + 60.0,  # 3.1-R8
+                    auth_key=s.auth_key,
                 )
                 self.consumer = consumer_agent(
                     d_config,

@@ -13,20 +13,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import socket
 import time
 import uuid
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import msgspec
 import numpy as np
-import uvicorn
 import zmq
 import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
+from pdwire import auth
 from pdwire.codec import decode_cancel, decode_pull, encode_response
 from pdwire.errors import DecodeError
 from pdwire.messages import (
@@ -43,6 +42,7 @@ from pdwire.versions import CURRENT_VERSION, LEGACY, PDWIRE_2, Capability
 
 from ..case import CaseFailed, WireLog
 from .engine import Engine
+from .loop_server import LoopServer, bind
 from .rawpack import map_keys
 
 #: What a fake P announces unless a case says otherwise (no ``auth``: it has no key).
@@ -123,6 +123,7 @@ class FakePConfig:
     sizes: bool = True  # pdwire/2: tp_size and pp_size in the /query entry
     fingerprint: Fingerprint | None = None
     health: bool = True  # serve GET /health (a vLLM bootstrap server does not)
+    auth_key: bytes | None = None  # sign pdwire/2 replies with it (§8.6), and announce ``auth``
 
 
 class Source:
@@ -143,14 +144,6 @@ class Source:
         if nbytes > self.size:
             self.addr, self.size = self._allocate(max(nbytes, 2 * self.size))
         return self.addr
-
-
-class _Server(uvicorn.Server):
-    """uvicorn in the harness's loop, leaving the process's signal handlers alone."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 @dataclasses.dataclass
@@ -192,50 +185,24 @@ class FakeP:
         self._arrived = asyncio.Event()
         self._workers: dict[tuple[int, int], _Worker] = {}
         self._layouts: dict[_LayoutKey, tuple[Region, ...]] = {}
-        self._server: _Server | None = None
-        self._serving: asyncio.Task[None] | None = None
-        self._sock: socket.socket | None = None
+        self._server: LoopServer | None = None
         self.url = ""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> FakeP:
         self._open_workers()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((self.host, 0))
-        self._sock.listen(64)  # D may connect before uvicorn accepts: the backlog holds it
-        self.url = f"http://{self.host}:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(
-            self._app(),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            log_config=None,
-            timeout_graceful_shutdown=1,
-        )
-        self._server = _Server(config)
-        self._serving = asyncio.create_task(self._server.serve(sockets=[self._sock]))
+        self._server = LoopServer(self._app(), bind(host=self.host))
+        self.url = self._server.url
         return self
 
     def stop(self) -> asyncio.Task[None] | None:
         """Close the workers now; the bootstrap server winds down in the returned task."""
         self._close_workers()
-        if self._server is None or self._serving is None:
+        if self._server is None:
             return None
-        self._server.should_exit = True
-        serving, sock = self._serving, self._sock
-        self._server = self._serving = self._sock = None
-
-        async def wind_down() -> None:
-            try:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(serving, 5.0)
-            finally:
-                if sock is not None:
-                    sock.close()
-
-        return asyncio.create_task(wind_down())
+        server, self._server = self._server, None
+        return server.stop()
 
     def _open_workers(self) -> None:
         for pp in range(self.config.pp):
@@ -368,6 +335,25 @@ class FakeP:
         rx: Received,
         status: XferResponseStatus = XferResponseStatus.FINISH,
         *,
+        announce: bool | None = None,
+        **fields: Any,
+    ) -> None:
+        """Answer ``rx`` as a P would (``response``)."""
+        if announce is None:
+            announce = self._announces(rx)
+        msg = self.response(rx, status, announce=announce, **fields)
+        data = encode_response(msg, PDWIRE_2 if announce else LEGACY)
+        summary = f"{status.name} ok={msg.ok_reqs} err={msg.err_reqs}"
+        await self.send_raw(rx, data, summary, as_json(msg))
+
+    def _announces(self, rx: Received) -> bool:
+        return self.config.version is not None and rx.announced
+
+    def response(
+        self,
+        rx: Received,
+        status: XferResponseStatus = XferResponseStatus.FINISH,
+        *,
         ok: Sequence[str] = (),
         err: Sequence[str] = (),
         err_msg: str | None = None,
@@ -375,11 +361,12 @@ class FakeP:
         layout_id: int | None = None,
         announce: bool | None = None,
         **v2: Any,
-    ) -> None:
-        """Answer ``rx`` as a P would: with this P's version and caps when both sides speak
-        pdwire/2 (``announce`` overrides), echoing the layout id when it holds the layout."""
+    ) -> XferResponseV2:
+        """The reply a P would send ``rx``: with this P's version and caps when both sides
+        speak pdwire/2 (``announce`` overrides), echoing the layout id when it holds the
+        layout, signed when this P has a key (unless ``auth_tag`` is given)."""
         if announce is None:
-            announce = self.config.version is not None and rx.announced
+            announce = self._announces(rx)
         if layout_id is None:
             terminal_ok = status in (XferResponseStatus.FINISH, XferResponseStatus.CONTINUE)
             keep = echo and terminal_ok and rx.pull is not None and self.holds_layout(rx)
@@ -398,9 +385,9 @@ class FakeP:
             )
         fields.update(v2)
         msg = XferResponseV2(**fields)
-        data = encode_response(msg, PDWIRE_2 if announce else LEGACY)
-        summary = f"{status.name} ok={list(ok)} err={list(err)}"
-        await self.send_raw(rx, data, summary, as_json(msg))
+        if announce and self.config.auth_key is not None and "auth_tag" not in v2:
+            msg = auth.sign(msg, self.config.auth_key)
+        return msg
 
     async def serve(self, rx: Received) -> None:
         """Write every request of the pull, then FINISH listing them ok."""

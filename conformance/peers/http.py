@@ -43,17 +43,20 @@ async def request(
     log: WireLog,
     *,
     body: Any = None,
+    content: bytes | None = None,
     headers: dict[str, str] | None = None,
     timeout: float | None = None,
 ) -> HttpResult:
+    """One exchange: ``body`` sent as JSON, or ``content`` as it is."""
     channel = f"http {method} {url}"
-    log.sent(channel, "request", body)
+    log.sent(channel, "request", body if content is None else content.decode(errors="replace"))
     start = time.monotonic()
     try:
         response = await client.request(
             method,
             url,
-            json=body,
+            json=body if content is None else None,
+            content=content,
             headers=headers,
             timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )

@@ -21,10 +21,11 @@ import zmq.asyncio
 
 from pdwire.negotiation import Offer
 from pdwire.planning import target_ranks
+from pdwire.versions import Capability
 
 from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, expect
 from ..peers.engine import Engine
-from ..peers.fake_p import FakeP, FakePConfig, Received, Source
+from ..peers.fake_p import DEFAULT_CAPS, FakeP, FakePConfig, Received, Source
 from ..peers.http import HttpResult, request, request_id, transfer_id
 from ..runner import Result, RunOptions, run_suite
 
@@ -47,6 +48,7 @@ class ConsumerOptions:
     vocab: int = 1000  # prompts use token ids in [1, vocab)
     prompt_tokens: int = 18  # not a multiple of common block sizes
     max_tokens: int = 4
+    auth_key: bytes | None = None  # the key D shares (§8.6): the fake P's sign their replies
 
 
 class ConsumerEnv:
@@ -128,6 +130,10 @@ class ConsumerCtx:
     async def fake_p(self, **config: Any) -> FakeP:
         """A started fake P (``FakePConfig`` fields as keywords)."""
         assert self.env.engine is not None and self.env.source is not None
+        key = self.options.auth_key
+        if key is not None and "auth_key" not in config:
+            config["auth_key"] = key
+            config["caps"] = config.get("caps", DEFAULT_CAPS) | {Capability.AUTH}
         fake = FakeP(
             FakePConfig(**config),
             ctx=self.env.zmq,
@@ -340,6 +346,13 @@ class ConsumerCtx:
         if missing:
             raise Unsupported(f"D does not announce the capabilities {missing}")
         return offer
+
+    @property
+    def auth_key(self) -> bytes:
+        """The key D shares; skips the case when the run was not given one."""
+        if self.options.auth_key is None:
+            raise Skip("D's shared key is unknown: pass --auth-key-file")
+        return self.options.auth_key
 
     @property
     def receive_timeout(self) -> float:

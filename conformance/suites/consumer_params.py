@@ -58,22 +58,39 @@ async def decodes_from_the_loaded_kv(t: ConsumerCtx) -> None:
     )
 
 
+DEADLINE_COVERS = ("6.3-R4", "10.11.3", "3.5-R1", "3.5-R2", "3.5-R3", "3.5-R4", "3.5-R17", "8.2-R1")
+
+
 @consumer_case(
     "consumer/5.2/3",
     "5.2-R4",
-    covers=("6.3-R4", "10.11.3", "3.5-R1", "3.5-R2", "3.5-R3", "3.5-R4", "3.5-R17", "8.2-R1"),
+    covers=(*DEADLINE_COVERS, "3.2-R17", "3.5-R5"),
     risk=6,
     timeout=15.0,
-    caught_by=("ignores-deadline-ms", "frees-before-cancel-reply"),
+    caught_by=(
+        "ignores-deadline-ms",
+        "frees-before-cancel-reply",
+        "pull-deadline-inflated",
+        "cancel-rank-out-of-range",
+    ),
 )
 async def deadline_ms_bounds_the_wait(t: ConsumerCtx) -> None:
-    """With deadline_ms in its D leg, D stops waiting for the KV at that deadline though P never
-    answered: it withdraws the pull with an XferCancel on a new socket, and the request fails."""
+    """With deadline_ms in its D leg, D sends the time left until then as its pull's
+    deadline_ms, and stops waiting for the KV at that deadline though P never answered: it
+    withdraws the pull with an XferCancel on a new socket, and the request fails."""
     await t.require_pdwire2(Capability.DEADLINE, Capability.CANCEL)
     budget = 0.6
     fake = await t.fake_p()
     leg = t.start(fake, deadline_ms=int(budget * 1000))
     rx = await t.pull(fake)
+    assert rx.pull is not None
+    left_ms = (budget - (rx.t - leg.sent)) * 1000
+    sent_ms = rx.pull.deadline_ms
+    expect(
+        0 < sent_ms <= left_ms + DEADLINE_SLACK_MS,
+        f"the pull's deadline_ms is {sent_ms}: at most the {left_ms:.0f} ms left of the "
+        f"request's {budget * 1000:.0f} ms when it arrived",
+    )
     d_req = rx.d_req(leg.transfer_id)
     left = budget + SLACK - (time.monotonic() - leg.sent)
     cancel = await t.pull(fake, max(0.1, left), kind="cancel", what="XferCancel")
@@ -82,6 +99,11 @@ async def deadline_ms_bounds_the_wait(t: ConsumerCtx) -> None:
     expect(len(cancel.frames) == 2, f"the XferCancel came as {len(cancel.frames) - 1} frames")
     expect_equal(cancel.cancel.cancel_reqs, {d_req: leg.transfer_id}, "cancel_reqs")
     c, p = cancel.cancel, rx.pull
+    expect(
+        c.remote_tp_rank < c.remote_tp_size and c.remote_pp_rank < c.remote_pp_size,
+        f"the cancel names TP rank {c.remote_tp_rank} of {c.remote_tp_size}, PP rank "
+        f"{c.remote_pp_rank} of {c.remote_pp_size}",
+    )
     expect_equal(
         (c.remote_hostname, c.remote_port, c.remote_tp_size, c.remote_tp_rank, c.remote_pp_size),
         (p.remote_hostname, p.remote_port, p.remote_tp_size, p.remote_tp_rank, p.remote_pp_size),
@@ -101,6 +123,11 @@ async def deadline_ms_bounds_the_wait(t: ConsumerCtx) -> None:
     t.expect_failed(got)
     took = time.monotonic() - leg.sent
     expect(took < budget + 2 * SLACK, f"D answered {took:.2f}s after a deadline of {budget}s")
+
+
+#: How far a pull's deadline_ms may exceed the time left when it arrives: clocks are read at
+#: different moments on each side.
+DEADLINE_SLACK_MS = 50
 
 
 @consumer_case(
@@ -145,3 +172,29 @@ async def no_pull_after_the_deadline(t: ConsumerCtx) -> None:
         late is None,
         f"D pulled after the request's deadline had passed: {late and late.describe()}",
     )
+
+
+@consumer_case(
+    "consumer/3.5/1",
+    "3.5-R18",
+    covers=("6.3-R4",),
+    timeout=20.0,
+    caught_by=("cancel-to-legacy",),
+)
+async def no_cancel_to_a_legacy_p(t: ConsumerCtx) -> None:
+    """A request whose deadline passes while its pull waits at a legacy P fails, and D sends that
+    P no XferCancel (a legacy P cannot decode one). D may answer only once P can no longer write
+    into the request's blocks: at the pull's receive timeout."""
+    await t.require_pdwire2(Capability.DEADLINE)
+    budget = 0.5
+    wait = t.receive_timeout
+    fake = await t.fake_p(version=None)
+    leg = t.start(fake, deadline_ms=int(budget * 1000), timeout=wait + 2 * SLACK)
+    rx = await t.pull(fake)
+    got = await leg.result()
+    t.expect_failed(got, "a request whose deadline passed while a legacy P held its pull")
+    took = time.monotonic() - leg.sent
+    expect(took < wait + 2 * SLACK, f"D answered {took:.2f}s after its request, past {wait}s")
+    late = await t.quiet(fake, QUIET)
+    expect(late is None, f"after the deadline D sent the legacy P {late and late.describe()}")
+    expect(rx.pull is not None and not rx.announced, "D announced pdwire/2 to a legacy P")

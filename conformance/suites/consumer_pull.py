@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Final
 
+import msgspec
+
 from pdwire.codec import REGION_LISTS
 from pdwire.versions import ALL_CAPS, Capability
 
@@ -48,19 +50,25 @@ async def each_pull_on_a_new_dealer(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/3.2/1",
     "3.2-R4",
-    covers=("3.2-R1", "3.2-R2", "3.2-R8", "3.2-R10", "3.7-R1"),
-    caught_by=("short-block-list",),
+    covers=("3.2-R1", "3.2-R2", "3.2-R8", "3.2-R10", "3.7-R1", "3.8-R3"),
+    caught_by=("short-block-list", "flat-block-lists"),
 )
 async def pull_names_the_prompt_blocks(t: ConsumerCtx) -> None:
     """D's pull maps its request to the transfer_id it was given and one list of block ids per
-    KV-cache group, as many as the prompt fills; its region lists agree, and P's write reaches
-    D at remote_hostname:remote_port."""
+    KV-cache group, as many as the prompt fills (as sent: nested lists, not the older flat
+    variant); its region lists agree, and P's write reaches D at remote_hostname:remote_port."""
     fake = await t.fake_p()
     leg = t.start(fake)
     rx = await t.pull(fake)
     pull = rx.pull
     assert pull is not None
     d_req = rx.d_req(leg.transfer_id)
+    sent = msgspec.msgpack.decode(rx.data)["req_blocks"][d_req][1]
+    expect(
+        all(isinstance(g, list) for g in sent),
+        f"D sent the request's blocks as {sent!r}: the flat list of vLLM ≤ 0.14, not one list "
+        "per KV-cache group",
+    )
     _, groups = pull.req_blocks[d_req]
     expect(rx.with_layout, "D's first pull to a P worker carries no layout")
     n = len(pull.kv_caches_base_addr)
@@ -145,7 +153,7 @@ async def remote_pp_size_of_a_staged_d(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/3.2/3",
     "3.2-R12",
-    covers=("3.2-R13", "3.4-R4", "3.7-R4", "3.7-R6", "9.3-R2"),
+    covers=("3.2-R13", "3.4-R4", "3.7-R4", "3.7-R6", "9.3-R2", "3.8-R4"),
     caught_by=("omits-layout-unechoed",),
 )
 async def layout_until_echoed(t: ConsumerCtx) -> None:

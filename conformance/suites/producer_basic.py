@@ -66,6 +66,21 @@ async def p_response_has_null_params(t: ProducerCtx) -> None:
     expect_equal(body["kv_transfer_params"], None, "P's kv_transfer_params")
 
 
+@case("producer/5.1/2", "5.1-R2", caught_by=("p-leg-needs-transfer-id",))
+async def p_leg_without_transfer_id_is_served(t: ProducerCtx) -> None:
+    """A P leg with do_remote_decode true but no transfer_id is served as a plain completion
+    (P sends its KV to no one), and P goes on serving transfers."""
+    leg = await t.prefill(None)
+    t.expect_leg_ok(leg)
+    choices = leg.body.get("choices") if isinstance(leg.body, dict) else None
+    expect(bool(choices), f"P's answer has no completion: {leg.body!r}")
+    loaded = await t.load()
+    try:
+        t.expect_loaded(loaded)
+    finally:
+        t.release(loaded)
+
+
 @case("producer/3.1/1", "3.1-R4", covers=("3.1-R6",), caught_by=("reply-delimiter",))
 async def replies_are_single_frames(t: ProducerCtx) -> None:
     """Every reply reaches D's DEALER as one frame: P sends [identity, payload], no delimiter."""

@@ -3,12 +3,14 @@ id and a random DP rank, so that it never disturbs P's own entry or another run'
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import uuid
 from typing import Any, Final
 
 from pdwire import error_strings
+from pdwire.http_models import MAX_REGISTER_BODY_BYTES
 
 from ..case import Unsupported, case, expect, expect_equal
 from ..peers.http import HttpResult, request
@@ -92,6 +94,29 @@ async def invalid_registrations(t: ProducerCtx) -> None:
         got = await register(t, body)
         expect(400 <= got.status < 500, f"{what}: expected HTTP 4xx, got {got.status}")
     expect(str(dp) not in await query(t), f"an invalid registration was stored for dp_rank {dp}")
+
+
+@case("producer/4.1/7", "4.1-R17", caught_by=("bootstrap-no-body-limit",))
+async def long_registration_body(t: ProducerCtx) -> None:
+    """A pdwire bootstrap server answers a registration body of 64 KiB and one byte with HTTP
+    413 and stores nothing."""
+    require_pdwire_server(t)
+    engine_id, dp = fresh()
+    body = worker(engine_id, dp, x_padding="")
+    base = len(json.dumps(body).encode())
+    body["x_padding"] = "x" * (MAX_REGISTER_BODY_BYTES + 1 - base)
+    raw = json.dumps(body).encode()
+    assert len(raw) == MAX_REGISTER_BODY_BYTES + 1, len(raw)
+    got = await request(
+        t.env.http,
+        "POST",
+        f"{t.options.bootstrap}/register",
+        t.log,
+        content=raw,
+        headers={"Content-Type": "application/json"},
+    )
+    expect(got.status == 413, f"a body of {len(raw)} bytes: expected HTTP 413, got {got.status}")
+    expect(str(dp) not in await query(t), f"a long registration was stored for dp_rank {dp}")
 
 
 @case(

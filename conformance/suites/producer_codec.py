@@ -290,6 +290,18 @@ async def cross_field_rules(t: ProducerCtx) -> None:
     )
 
 
+@case("producer/3.2/2", "3.2-R21", caught_by=("payload-past-stride", "no-cross-field-checks"))
+async def payload_past_the_stride(t: ProducerCtx) -> None:
+    """A pull that declares a region's payload one byte longer than its block stride is a
+    decode error: served, it would have P write into the next block of D's region."""
+
+    def past(m: dict[str, Any]) -> bytes:
+        payloads = [m["block_lens"][0] + 1, *m["kv_block_lens"][1:]]
+        return pack({**m, "kv_block_lens": payloads})
+
+    await expect_rejected(t, {"kv_block_lens[0] = block_lens[0] + 1": past})
+
+
 # -- accepted ---------------------------------------------------------------------------------
 
 
@@ -486,3 +498,36 @@ async def release_only_stays_empty(t: ProducerCtx, worker: DWorker) -> None:
         t.expect_ok(worker, addr, r, d_req)
     stray = worker.stray_bytes()
     expect(stray == 0, f"a release-only request wrote {stray} bytes")
+
+
+@case("producer/2.3/5", "2.3-R2", timeout=30.0, caught_by=("no-size-limit",))
+async def rejects_a_message_over_its_limit(t: ProducerCtx) -> None:
+    """A pull one byte longer than P's size limit (made long by an unknown key) is answered
+    with one `ERROR` and not served; P then serves pulls as before. Skipped unless the run is
+    told P's limit (``--max-message-bytes``)."""
+    limit = t.max_message_bytes
+    worker = t.worker(1, 0)
+    (tid,) = await t.ready(1, TOKENS)
+    blocks = worker.take(t.blocks_for(TOKENS))
+    try:
+        m = t.pull_map(worker, {t.new_d_req(): (tid, [blocks])})
+        data = pack({**m, "x_padding": Verbatim(b"")})
+        fill = limit + 1 - len(data) - 5  # a bin 32 header is 5 bytes
+        long = pack({**m, "x_padding": b"\x00" * fill})
+        assert len(long) == limit + 1, len(long)
+        r = await t.send(t.targets(worker)[0], long, linger_after=0.2)
+        expect(
+            len(r.replies) == 1 and r.status is XferResponseStatus.ERROR,
+            f"a pull of {limit + 1} bytes: expected one ERROR reply, got {r.describe()}",
+        )
+        expect(
+            len(worker.unwritten(blocks)) == len(worker.regions) * len(blocks),
+            "P wrote KV for a pull over its size limit",
+        )
+    finally:
+        worker.give_back(blocks)
+    loaded = await t.load(d_tp=1)
+    try:
+        t.expect_loaded(loaded)
+    finally:
+        t.release(loaded)

@@ -12,12 +12,13 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import httpx
 import msgspec
 import zmq.asyncio
 
+from pdwire import auth
 from pdwire.codec import encode_cancel, encode_pull
 from pdwire.messages import Fingerprint, XferCancel, XferMetadataV2
 from pdwire.planning import target_ranks
@@ -30,6 +31,7 @@ from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, request, request_id, transfer_id
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
+M = TypeVar("M", XferMetadataV2, XferCancel)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,8 @@ class ProducerOptions:
     vocab: int = 1000  # prompts use token ids in [1, vocab)
     prompt_tokens: int = 40  # the default prompt length
     request_timeout: float = 30.0
+    auth_key: bytes | None = None  # the key P shares (§8.6): pdwire/2 pulls and cancels signed
+    max_message_bytes: int | None = None  # P's size limit on side-channel messages, when known
 
 
 class ProducerEnv:
@@ -296,7 +300,28 @@ class ProducerCtx:
         out.update(fields)
         return out
 
-    def encode(self, msg: XferMetadataV2, announce: bool) -> bytes:
+    @property
+    def max_message_bytes(self) -> int:
+        """P's size limit; skips the case when the run was not told it."""
+        if self.options.max_message_bytes is None:
+            raise Skip("P's size limit is unknown: pass --max-message-bytes")
+        return self.options.max_message_bytes
+
+    @property
+    def auth_key(self) -> bytes:
+        """The key P shares; skips the case when the run was not given one."""
+        if self.options.auth_key is None:
+            raise Skip("P's shared key is unknown: pass --auth-key-file")
+        return self.options.auth_key
+
+    def sign(self, msg: M) -> M:
+        """``msg`` signed when the run has P's key (8.6-R5), else as it is."""
+        key = self.options.auth_key
+        return msg if key is None else auth.sign(msg, key)
+
+    def encode(self, msg: XferMetadataV2, announce: bool, *, signed: bool = True) -> bytes:
+        if announce and signed:
+            msg = self.sign(msg)
         return encode_pull(msg, PDWIRE_2 if announce else LEGACY)
 
     def pull_map(
@@ -378,7 +403,13 @@ class ProducerCtx:
         return [(worker, a, r) for a, r in zip(addrs, results, strict=True)]
 
     async def cancel(
-        self, worker: DWorker, addr: str, reqs: dict[str, str], *, timeout: float | None = None
+        self,
+        worker: DWorker,
+        addr: str,
+        reqs: dict[str, str],
+        *,
+        timeout: float | None = None,
+        signed: bool = True,
     ) -> PullResult:
         """An XferCancel (§3.5) of ``worker``'s pulls for ``reqs`` (d_req_id -> transfer_id),
         on a new DEALER to ``addr``."""
@@ -394,7 +425,8 @@ class ProducerCtx:
             remote_pp_rank=worker.pp_rank,
             reason="conformance",
         )
-        return await self.send(addr, encode_cancel(msg), timeout=timeout)
+        data = encode_cancel(self.sign(msg) if signed else msg)
+        return await self.send(addr, data, timeout=timeout)
 
     async def stop_leg(self, transfer: str, prompt: list[int]) -> HttpResult:
         """The P leg of ``prompt`` with its first token as a stop token (vLLM's

@@ -108,7 +108,7 @@ async def d_tp_larger(t: ProducerCtx) -> None:
 @case(
     "producer/10.8/2",
     "10.8.3",
-    covers=("10.8.4", "10.8.12", "10.1.3", "10.3.1", "9.2-R1"),
+    covers=("10.8.4", "10.8.12", "10.1.3", "10.3.1", "9.2-R1", "9.1-R3"),
     caught_by=("no-shard-offsets", "wrong-offset"),
 )
 async def d_tp_smaller(t: ProducerCtx) -> None:
@@ -365,7 +365,7 @@ async def expect_error(
 @case(
     "producer/10.8/3",
     "10.8.11",
-    covers=("10.8.4", "10.8.6", "7.1-R1", "3.3-R4"),
+    covers=("10.8.4", "10.8.6", "7.1-R1", "3.3-R4", "9.1-R4"),
     caught_by=("no-length-check",),
 )
 async def lengths_must_fit_the_tp_ratio(t: ProducerCtx) -> None:
@@ -447,7 +447,7 @@ async def regions_align_by_name(t: ProducerCtx) -> None:
 @case(
     "producer/10.7/2",
     "10.7.4",
-    covers=("10.7.3", "10.7.5", "10.2.6", "7.1-R1", "3.3-R4"),
+    covers=("10.7.3", "10.7.5", "10.2.6", "7.1-R1", "3.3-R4", "9.1-R5", "9.1-R7"),
     caught_by=("no-alignment-check",),
 )
 async def misaligned_regions_are_an_error(t: ProducerCtx) -> None:

@@ -16,13 +16,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 
-Role = Literal["prefill", "decode"]
+Role = Literal["prefill", "decode", "proxy"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Mutant:
     name: str
-    role: Role  # the node role the defect is in
+    role: Role  # the node role the defect is in; proxy: ``pdwire proxy --mutant``
     defect: str  # what is broken, in one line
     patch: Callable[[], None]  # applies the defect in the calling process
     node: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # NodeConfig overrides
@@ -78,6 +78,19 @@ def get(name: str) -> Mutant:
         raise KeyError(f"no mutant {name!r}; known: {', '.join(sorted(MUTANTS))}") from None
 
 
+def apply_for(name: str, role: str) -> Mutant:
+    """Apply mutant ``name`` in a process of ``role``; ``ValueError`` when there is no such
+    mutant, or it is a defect of another role."""
+    try:
+        m = get(name)
+    except KeyError as exc:
+        raise ValueError(exc.args[0]) from None
+    if m.role != role:
+        raise ValueError(f"mutant {m.name} is a {m.role} defect")
+    apply(m.name)
+    return m
+
+
 def apply(name: str) -> None:
     """Make mutant ``name`` the one applied in this process ("" = none); another one applied
     before is restored first."""
@@ -91,6 +104,6 @@ def apply(name: str) -> None:
         _active = name
 
 
-from . import consumer, pair, producer  # noqa: E402, F401  (register the mutants)
+from . import auth, consumer, pair, producer, proxy  # noqa: E402, F401  (register the mutants)
 
 NAMES: Final = tuple(sorted(MUTANTS))

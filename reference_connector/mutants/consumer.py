@@ -14,13 +14,13 @@ import httpx
 import msgspec
 import zmq
 
+from pdwire import codec, negotiation, planning
 from pdwire import consumer as consumer_module
-from pdwire import negotiation, planning
 from pdwire.codec import decode_response, encode_response
 from pdwire.consumer import UNREPORTED, ConsumerSession
 from pdwire.errors import DecodeError
 from pdwire.events import LoadRequest, LoadsRequested, ReplyReceived, RequestFailed
-from pdwire.messages import ErrorCode, XferMetadataV2, XferResponseV2
+from pdwire.messages import ErrorCode, XferCancel, XferMetadataV2, XferResponseV2
 from pdwire.messages import XferResponseStatus as Status
 from pdwire.negotiation import LEGACY_PEER, Agreement, Offer
 from pdwire.transitions import LoadState
@@ -111,6 +111,52 @@ def _no_fingerprint() -> None:
         return msg
 
     replace(ConsumerSession, "_pull_message", pull_message)
+
+
+@mutant("pull-deadline-inflated", "decode", "sends 10 s more than the time left as its deadline_ms")
+def _pull_deadline_inflated() -> None:
+    original = ConsumerSession._pull_message
+
+    def pull_message(self: ConsumerSession, *args: Any, **kwargs: Any) -> Any:
+        msg = original(self, *args, **kwargs)
+        if isinstance(msg, XferMetadataV2) and msg.deadline_ms:
+            return msgspec.structs.replace(msg, deadline_ms=msg.deadline_ms + 10_000)
+        return msg
+
+    replace(ConsumerSession, "_pull_message", pull_message)
+
+
+@mutant("cancel-rank-out-of-range", "decode", "names TP rank tp_size in its cancels")
+def _cancel_rank_out_of_range() -> None:
+    original = codec.encode_cancel
+
+    def encode(msg: XferCancel, agreement: Any) -> bytes:
+        return original(msgspec.structs.replace(msg, remote_tp_rank=msg.remote_tp_size), agreement)
+
+    replace(consumer_module, "encode_cancel", encode)
+
+
+@mutant("cancel-to-legacy", "decode", "cancels its pulls at a legacy P too")
+def _cancel_to_legacy() -> None:
+    original = negotiation.Agreement.allows
+
+    def allows(self: Agreement, cap: Any) -> bool:
+        return cap == Capability.CANCEL or original(self, cap)
+
+    replace(negotiation.Agreement, "allows", allows)
+    replace(consumer_module, "encode_cancel", lambda msg, agreement: msgspec.msgpack.encode(msg))
+
+
+@mutant("flat-block-lists", "decode", "sends flat block lists, as vLLM 0.14 did, not one per group")
+def _flat_block_lists() -> None:
+    original = codec.encode_pull
+
+    def encode(msg: Any, agreement: Any) -> bytes:
+        obj = msgspec.msgpack.decode(original(msg, agreement))
+        obj["req_blocks"] = {d: [t, groups[0]] for d, (t, groups) in obj["req_blocks"].items()}
+        return msgspec.msgpack.encode(obj)
+
+    replace(consumer_module, "encode_pull", encode)
 
 
 @mutant("pull-with-delimiter", "decode", "sends each pull as two frames [b'', pull]")

@@ -286,3 +286,18 @@ def _p_stall_on_stop() -> None:
         self._thread.call(self._on_free, p_req_id, transfer_id, FreeReason.WILL_NOT_SEND)
 
     replace(ProducerAgent, "transfer_will_not_send", will_not_send)
+
+
+@mutant("p-leg-needs-transfer-id", "prefill", "refuses a P leg whose params lack transfer_id")
+def _p_leg_needs_transfer_id() -> None:
+    from .. import node
+
+    original = node.NodeEngine.generate
+
+    async def generate(self: node.NodeEngine, job: node.Job) -> Any:
+        p = job.params or {}
+        if p.get("do_remote_decode") and not p.get("transfer_id"):
+            raise node.NodeError(400, "kv_transfer_params lack transfer_id")
+        return await original(self, job)
+
+    replace(node.NodeEngine, "generate", generate)

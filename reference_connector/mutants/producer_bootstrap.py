@@ -96,3 +96,13 @@ def _no_health() -> None:
         return app
 
     replace(bootstrap, "create_app", create_app)
+
+
+@mutant("bootstrap-no-body-limit", "prefill", "reads a request body of any length")
+def _bootstrap_no_body_limit() -> None:
+    from .. import body_limit
+
+    async def call(self: body_limit.BodyLimit, scope: Any, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
+
+    replace(body_limit.BodyLimit, "__call__", call)

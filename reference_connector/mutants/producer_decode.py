@@ -128,3 +128,18 @@ def _small_size_limit() -> None:
         original(self, dataclasses.replace(config, max_message_bytes=1 << 20))
 
     replace(ProducerSession, "__init__", init)
+
+
+@mutant("no-size-limit", "prefill", "decodes a message of any length")
+def _no_size_limit() -> None:
+    original = ProducerSession.__init__
+
+    def init(self: ProducerSession, config: ProducerConfig) -> None:
+        original(self, dataclasses.replace(config, max_message_bytes=1 << 40))
+
+    replace(ProducerSession, "__init__", init)
+
+
+@mutant("payload-past-stride", "prefill", "serves a pull whose payload is longer than its stride")
+def _payload_past_stride() -> None:
+    replace(codec, "_payload_past_stride", lambda m: None)

@@ -14,10 +14,11 @@ import pytest
 
 from conformance import case as case_module
 from conformance import traceability
-from conformance.case import Case, Skip, Suite, Unsupported, Verdict, case, expect
+from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases, case, expect
 from conformance.report import write_html, write_json, write_junit
 from conformance.requirements import CATALOGUE, Level, dump, get, parse, parse_spec
 from conformance.runner import RunOptions, exit_code, read_list, run_case, select, summary
+from conformance.traceability import UNCOVERED
 
 
 def test_catalogue_is_the_spec() -> None:
@@ -166,3 +167,24 @@ def test_traceability_table_lists_every_requirement() -> None:
     assert [r.requirement.id for r in covered] == [MUST]
     assert MUST not in {r.id for r in traceability.uncovered_musts(rows)}
     assert "| 3.2-R1 | MUST | `producer/3.2/1` |" in traceability.markdown(rows)
+
+
+def test_every_must_has_a_case_or_a_reason() -> None:
+    """The spec's every MUST is covered by a case, or UNCOVERED says why no case can observe
+    it; an entry of UNCOVERED that a case covers, or that is no MUST, is stale."""
+    rows = traceability.table()
+    missing = [r.id for r in traceability.uncovered_musts(rows) if r.id not in UNCOVERED]
+    assert not missing, f"MUSTs without a case: {missing}"
+    musts = {r.requirement.id for r in rows if r.requirement.level is Level.MUST}
+    covered = {r.requirement.id for r in rows if r.covered}
+    stale = sorted(i for i in UNCOVERED if i in covered or i not in musts)
+    assert not stale, f"UNCOVERED names requirements that have cases or are no MUST: {stale}"
+    assert all(reason.strip() for reason in UNCOVERED.values())
+
+
+def test_a_must_without_a_case_is_found() -> None:
+    """A MUST whose only case is gone shows among the uncovered, which the test above fails
+    on."""
+    rows = traceability.table([c for c in all_cases() if "3.2-R4" not in c.covers])
+    assert "3.2-R4" in {r.id for r in traceability.uncovered_musts(rows)}
+    assert "3.2-R4" not in UNCOVERED

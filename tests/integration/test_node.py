@@ -112,13 +112,14 @@ def _start(role: str, tp: int, pp: int, policy: Policy) -> NodeServer:
     return NodeServer(config).start()
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
+def started(starts: dict[str, Callable[[], NodeServer]]) -> Iterator[Cluster]:
+    """The nodes ``starts`` start, started at once, as a ``Cluster`` until it is closed;
+    skips when the Mooncake transfer engine is unavailable."""
     nodes: dict[str, NodeServer] = {}
     try:
-        with concurrent.futures.ThreadPoolExecutor(len(NODES)) as pool:
-            started = {name: pool.submit(_start, *spec) for name, spec in NODES.items()}
-            for name, future in started.items():
+        with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+            futures = {name: pool.submit(start) for name, start in starts.items()}
+            for name, future in futures.items():
                 try:
                     nodes[name] = future.result()
                 except WorkerError as exc:
@@ -129,8 +130,13 @@ def cluster() -> Iterator[Cluster]:
         yield c
         c.http.close()
     finally:
-        with concurrent.futures.ThreadPoolExecutor(len(NODES)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
             list(pool.map(NodeServer.stop, nodes.values()))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    yield from started({name: functools.partial(_start, *spec) for name, spec in NODES.items()})
 
 
 @pytest.fixture(autouse=True)

@@ -69,6 +69,13 @@ def pull_fields(draw: st.DrawFn, *, vllm_032: bool = False) -> dict[str, Any]:
     """
     n = draw(st.integers(0, 4))
     tp_size, tp_rank = draw(_tp())
+    strides = draw(_per_region(n, st.integers(0, 2**32)))
+    # Each payload fits its stride (3.2-R21); with no strides sent, any payload.
+    payloads = draw(
+        st.tuples(*(st.integers(0, s) for s in strides)).map(list)
+        if strides
+        else _per_region(n, st.integers(0, 2**32))
+    )
     return {
         "remote_hostname": draw(st.text(max_size=20)),
         "remote_port": draw(ports),
@@ -85,8 +92,8 @@ def pull_fields(draw: st.DrawFn, *, vllm_032: bool = False) -> dict[str, Any]:
             )
         ),
         "kv_caches_base_addr": draw(st.lists(st.integers(0, MAX_U64), min_size=n, max_size=n)),
-        "block_lens": draw(_per_region(n, st.integers(0, 2**32))),
-        "kv_block_lens": draw(_per_region(n, st.integers(0, 2**32))),
+        "block_lens": strides,
+        "kv_block_lens": payloads,
         "registered_layer_names": draw(_per_region(n, st.text(max_size=12))),
         "registered_layer_indices": draw(_per_region(n, st.integers(0, 200))),
         "registered_group_indices": draw(_per_region(n, st.integers(-1, 8))),

@@ -29,7 +29,7 @@ from pdwire import (
 from pdwire.consumer import ConsumerConfig, ConsumerSession
 from pdwire.events import SendReply, TimePassed
 from pdwire.http_models import EngineEntry
-from pdwire.planning import Side
+from pdwire.planning import Side, layout_of
 from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, LEGACY, PDWIRE_2, Profile
@@ -97,14 +97,7 @@ class DPeer:
             "remote_tp_size": self.side.tp_size,
             "remote_tp_rank": self.side.tp_rank,
             "req_blocks": {d: (t, b) for d, (t, b) in reqs.items()},
-            "kv_caches_base_addr": [r.base_addr for r in regions],
-            "block_lens": [r.block_len for r in regions],
-            "kv_block_lens": [r.kv_block_len for r in regions],
-            "registered_layer_names": [r.layer_name for r in regions],
-            "registered_layer_indices": [r.layer_index for r in regions],
-            "registered_group_indices": [r.group_index for r in regions],
-            "registered_shared_group_ids": [list(r.shared_group_ids) for r in regions],
-            "registered_row_offsets": [r.row_offset for r in regions],
+            **layout_of(regions),
             "remote_pp_size": self.side.pp_size if remote_pp_size is None else remote_pp_size,
             "layout_id": self.layout_id,
         }

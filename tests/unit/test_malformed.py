@@ -164,6 +164,11 @@ def _pull_cases() -> list[Any]:
                 "3.2",
             ),
             "port-0": ({**PULL, "remote_port": 0}, "$.remote_port", "3.2"),
+            "payload-past-stride": (
+                {**PULL, "kv_block_lens": [64, 65]},
+                "$.kv_block_lens[1]",
+                "3.2",
+            ),
             "port-65536": ({**PULL, "remote_port": 65536}, "$.remote_port", "3.2"),
             "tp-size-0": (
                 {**PULL, "remote_tp_size": 0, "remote_tp_rank": 0},

