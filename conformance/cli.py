@@ -495,7 +495,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         extra = f" {survived}" if survived else ""
         print(
             f"[{done[0]:>3}/{len(chosen)}] {mark:<8} {r.name:<28} {r.role:<8} {r.mode:<9} "
-            f"{len(r.verdicts)} case(s){extra}",
+            f"{len(r.verdicts)} case(s) {r.seconds:.1f}s{extra}",
             file=sys.stderr,
             flush=True,
         )
@@ -517,6 +517,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                 "role": r.role,
                 "mode": r.mode,
                 "caught": r.caught,
+                "seconds": round(r.seconds, 2),
                 "verdicts": r.verdicts,
             }
             for r in results

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
+import time
 from collections.abc import Callable, Sequence
 
 from . import testees
@@ -31,6 +33,7 @@ class MutantResult:
     role: str
     mode: str  # "switched" or "own node"
     verdicts: dict[str, str]  # case id -> verdict
+    seconds: float = 0.0  # how long checking it took
 
     @property
     def caught(self) -> bool:
@@ -75,36 +78,38 @@ async def check_mutants(
         raise RuntimeError(f"no such mutants: {', '.join(unknown)}")
     out: list[MutantResult] = []
     beds: dict[bool, Testbed] = {}
+
+    async def bed(with_key: bool) -> Testbed:
+        if with_key not in beds:
+            beds[with_key] = Testbed()
+            await beds[with_key].start({"prefill", "decode"}, mutant_control=True, keyed=with_key)
+        return beds[with_key]
+
+    async def check(m: testees.MutantInfo) -> MutantResult:
+        if m.role == "proxy":  # on a proxy of its own, which the proxy suite starts
+            mine = [c for c in cases if m.name in c.caught_by]
+            verdicts = await _on_own_node(m.name, m.role, mine, timeout, False)
+            return MutantResult(m.name, m.role, "own node", verdicts)
+        result = MutantResult(m.name, m.role, "switched", {})
+        for with_key in (False, True):
+            mine = [c for c in cases if m.name in c.caught_by and keyed(c) == with_key]
+            if mine:
+                one = await _with_retry(await bed(with_key), m, mine, timeout, with_key)
+                result.verdicts.update(one.verdicts)
+                result.mode = one.mode
+        return result
+
     try:
         for name in names:
-            m = info[name]
-            if m.role == "proxy":  # on a proxy of its own, which the proxy suite starts
-                mine = [c for c in cases if name in c.caught_by]
-                verdicts = await _on_own_node(name, m.role, mine, timeout, False)
-                out.append(MutantResult(name, m.role, "own node", verdicts))
-                if on_result is not None:
-                    on_result(out[-1])
-                continue
-            result = MutantResult(name, m.role, "switched", {})
-            for with_key in (False, True):
-                mine = [c for c in cases if name in c.caught_by and keyed(c) == with_key]
-                if not mine:
-                    continue
-                if with_key not in beds:
-                    beds[with_key] = Testbed()
-                    await beds[with_key].start(
-                        {"prefill", "decode"}, mutant_control=True, keyed=with_key
-                    )
-                one = await _with_retry(beds[with_key], m, mine, timeout, with_key)
-                result.verdicts.update(one.verdicts)
-                if one.mode != result.mode:
-                    result.mode = one.mode
+            t0 = time.monotonic()
+            result = await check(info[name])
+            result.seconds = time.monotonic() - t0
             out.append(result)
             if on_result is not None:
                 on_result(result)
     finally:
-        for bed in beds.values():
-            await bed.stop()
+        for b in beds.values():
+            await b.stop()
     return out
 
 
@@ -114,11 +119,13 @@ async def _with_retry(
     for attempt in range(TRIES):
         try:
             return await _check_one(bed, m, cases, timeout, keyed)
-        except testees.TesteeError:
-            # a node that failed to start or to switch says nothing about the mutant: start
-            # the testbed afresh and run the mutant again
+        except (RuntimeError, OSError) as exc:
+            # A node that failed to start, to switch, or to answer a suite's first request
+            # (TesteeError is a RuntimeError) says nothing about the mutant: start the testbed
+            # afresh and run the mutant again.
             if attempt == TRIES - 1:
                 raise
+            print(f"{m.name}: {exc}; restarting the testees", file=sys.stderr, flush=True)
             for role in ("decode", "prefill"):
                 await bed.restart(role)
     raise AssertionError("unreachable")

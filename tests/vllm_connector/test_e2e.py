@@ -223,6 +223,7 @@ def test_the_pair_conformance_suite_passes(
     target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
     code = cli.main(["pair", *target, "--timeout", "60", "-q", "--json", str(report)])
     doc = json.loads(report.read_text())
+    print(f"pair suite, {pair}: {doc['summary']}")
     failed = {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
     assert not failed and code == cli.EXIT_OK, failed
     assert doc["summary"].get("pass", 0) >= 10, doc["summary"]
