@@ -351,15 +351,14 @@ def _auth_key(p: argparse.ArgumentParser, role: str) -> None:
 
 def read_auth_key(args: argparse.Namespace) -> bytes | None:
     """The key of ``--auth-key-file``: the file's bytes less a trailing newline."""
+    from pdwire.auth import read_key_file
+
     if not args.auth_key_file:
         return None
     try:
-        key = Path(args.auth_key_file).read_bytes().rstrip(b"\r\n")
-    except OSError as exc:
+        return read_key_file(args.auth_key_file)
+    except (OSError, ValueError) as exc:
         raise SystemExit(f"pdwire conformance: {exc}") from None
-    if not key:
-        raise SystemExit(f"pdwire conformance: {args.auth_key_file}: the key file is empty")
-    return key
 
 
 def producer_options(args: argparse.Namespace) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -14,6 +15,15 @@ from .errors import RemoteProtocolError
 from .messages import XferCancel, XferMetadataV2, XferResponseV2
 
 M = TypeVar("M", XferMetadataV2, XferResponseV2, XferCancel)
+
+
+def read_key_file(path: str) -> bytes:
+    """The shared key kept in ``path``: the file's bytes, less a trailing newline.
+    ``OSError`` when it cannot be read, ``ValueError`` when it holds no key."""
+    key = Path(path).read_bytes().rstrip(b"\r\n")
+    if not key:
+        raise ValueError(f"{path}: the auth key file is empty")
+    return key
 
 
 def tag(msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes) -> bytes:

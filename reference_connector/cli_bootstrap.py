@@ -6,9 +6,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pdwire.auth import read_key_file
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
-from .cli_common import EXIT_USAGE, read_key_file, serve, standalone
+from .cli_common import EXIT_USAGE, serve, standalone
 
 if TYPE_CHECKING:  # the server (FastAPI, uvicorn) loads only when the command runs
     from .bootstrap import BootstrapServer

@@ -9,7 +9,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,14 +19,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _POLL_S = 0.5
 
 A = TypeVar("A", bound="AppServer")
-
-
-def read_key_file(path: str) -> bytes:
-    """The shared key of §8.6 in ``path``: the file's bytes, less a trailing newline."""
-    key = Path(path).read_bytes().rstrip(b"\r\n")
-    if not key:
-        raise ValueError(f"{path}: the auth key file is empty")
-    return key
 
 
 def serve(

@@ -8,9 +8,10 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from pdwire.auth import read_key_file
 from pdwire.versions import LEGACY, PDWIRE_2
 
-from .cli_common import read_key_file, serve, standalone
+from .cli_common import serve, standalone
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
     from .node import NodeServer

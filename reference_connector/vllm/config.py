@@ -43,9 +43,9 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Final
 
+from pdwire.auth import read_key_file
 from pdwire.consumer import LOAD_DEADLINE
 from pdwire.errors import LocalProtocolError
 from pdwire.producer import ABORT_REQUEST_TIMEOUT
@@ -125,12 +125,9 @@ def _auth_key(extra: Mapping[str, Any], profile: Profile) -> bytes | None:
     if profile != PDWIRE_2:
         raise ConfigError("kv_connector_extra_config.auth_key_file needs profile pdwire/2")
     try:
-        key = Path(path).read_bytes().rstrip(b"\r\n")
-    except OSError as exc:
+        return read_key_file(path)
+    except (OSError, ValueError) as exc:
         raise ConfigError(f"kv_connector_extra_config.auth_key_file: {exc}") from exc
-    if not key:
-        raise ConfigError(f"kv_connector_extra_config.auth_key_file {path} is empty")
-    return key
 
 
 @dataclasses.dataclass(frozen=True)
