@@ -59,8 +59,18 @@ class Unsupported(Exception):
     """The testee does not implement what the case needs (not a failure)."""
 
 
+T = TypeVar("T")
+
+
 class Skip(Exception):
     """The run lacks what the case needs (a timer value, an option)."""
+
+
+def given(value: T | None, what: str, flag: str) -> T:
+    """``value``, which the run was told with ``flag``; skips the case when it was not."""
+    if value is None:
+        raise Skip(f"{what} is unknown: pass {flag}")
+    return value
 
 
 def expect(ok: bool, detail: str, *, expected: Any = None, actual: Any = None) -> None:

@@ -23,7 +23,7 @@ from pdwire.negotiation import Offer
 from pdwire.planning import target_ranks
 from pdwire.versions import Capability
 
-from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, expect
+from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, expect, given
 from ..peers.engine import Engine
 from ..peers.fake_p import DEFAULT_CAPS, FakeP, FakePConfig, Received, Source
 from ..peers.http import HttpResult, request, request_id, transfer_id
@@ -350,9 +350,7 @@ class ConsumerCtx:
     @property
     def auth_key(self) -> bytes:
         """The key D shares; skips the case when the run was not given one."""
-        if self.options.auth_key is None:
-            raise Skip("D's shared key is unknown: pass --auth-key-file")
-        return self.options.auth_key
+        return given(self.options.auth_key, "D's shared key", "--auth-key-file")
 
     @property
     def receive_timeout(self) -> float:

@@ -25,7 +25,7 @@ from pdwire.planning import target_ranks
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, LEGACY, PDWIRE_2
 
-from ..case import CaseFailed, Skip, Unsupported, WireLog, expect
+from ..case import CaseFailed, Unsupported, WireLog, expect, given
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, request, request_id, transfer_id
@@ -184,10 +184,9 @@ class ProducerCtx:
     @property
     def abort_timeout(self) -> float:
         """P's ready-wait and retention timer; skips the case when the run was not told it."""
-        t = self.options.abort_timeout
-        if t is None:
-            raise Skip("P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT is unknown: pass --abort-timeout")
-        return t
+        return given(
+            self.options.abort_timeout, "P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "--abort-timeout"
+        )
 
     def prompt(self, tokens: int | None = None) -> list[int]:
         n = tokens or self.options.prompt_tokens
@@ -303,16 +302,12 @@ class ProducerCtx:
     @property
     def max_message_bytes(self) -> int:
         """P's size limit; skips the case when the run was not told it."""
-        if self.options.max_message_bytes is None:
-            raise Skip("P's size limit is unknown: pass --max-message-bytes")
-        return self.options.max_message_bytes
+        return given(self.options.max_message_bytes, "P's size limit", "--max-message-bytes")
 
     @property
     def auth_key(self) -> bytes:
         """The key P shares; skips the case when the run was not given one."""
-        if self.options.auth_key is None:
-            raise Skip("P's shared key is unknown: pass --auth-key-file")
-        return self.options.auth_key
+        return given(self.options.auth_key, "P's shared key", "--auth-key-file")
 
     def sign(self, msg: M) -> M:
         """``msg`` signed when the run has P's key (8.6-R5), else as it is."""
