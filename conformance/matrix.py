@@ -32,7 +32,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any, Final
 import httpx
 
 from .case import Case, Suite, all_cases
+from .ports import free_port
 from .runner import Progress, Result, RunOptions, select, summary
 
 ROLES: Final = ("prefill", "decode")
@@ -145,13 +145,6 @@ def load_manifest(path: str | Path) -> Manifest:
 # -- running one implementation --------------------------------------------------------------
 
 
-def _free_port(host: str) -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @dataclasses.dataclass
 class Running:
     name: str
@@ -190,8 +183,8 @@ async def start(impl: Implementation, role: str, start_timeout: float, host: str
     values = {
         "host": host,
         "python": sys.executable,
-        "port": str(_free_port(host)),
-        "bootstrap_port": str(_free_port(host)),
+        "port": str(free_port(host)),
+        "bootstrap_port": str(free_port(host)),
     }
     try:
         argv = [a.format_map(values) for a in launch.command]

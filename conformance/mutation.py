@@ -138,6 +138,12 @@ async def _check_one(
     if m.switchable and m.role != "proxy":
         result.verdicts = await _switched(bed, m.name, m.role, cases, timeout)
     if not m.switchable or not result.caught:
+        if m.switchable:
+            print(
+                f"{m.name}: not caught switched on in a running node; on a node of its own now",
+                file=sys.stderr,
+                flush=True,
+            )
         result.mode = "own node"
         result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, keyed)
     return result

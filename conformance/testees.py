@@ -9,17 +9,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from contextlib import closing
 from pathlib import Path
 from typing import Any, Final, Literal
 
 import httpx
+
+from .ports import free_port
 
 Role = Literal["prefill", "decode"]
 MutantRole = Literal["prefill", "decode", "proxy"]  # a proxy mutant: ``pdwire proxy --mutant``
@@ -29,13 +29,6 @@ GEOMETRY: Final = ("--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--bl
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 16, 4
 #: The reference testees' VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: short, so timer cases are quick.
 ABORT_TIMEOUT: Final = 2.0
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class TesteeError(RuntimeError):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any, Final
+from collections.abc import Iterable, Mapping
+from typing import Any, ClassVar, Final
 
 from . import auth, sections
 from .codec import decode_response, encode_cancel, encode_pull
@@ -91,6 +91,14 @@ class _Pull:
 class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     """One D worker's protocol state: the engines it knows, its pulls, its loading requests."""
 
+    HANDLERS: ClassVar[Mapping[type, str]] = {
+        LoadsRequested: "_on_loads",
+        EngineResolved: "_on_engine",
+        ReplyReceived: "_on_reply",
+        AbortRequested: "_on_abort",
+        TimePassed: "_on_time",
+    }
+
     def __init__(self, config: ConsumerConfig) -> None:
         super().__init__()
         self.config = config
@@ -103,13 +111,6 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         self._acked: set[str] = set()  # P workers that echoed our layout_id
         self._due: list[_Load] = []  # loads whose deadline fired in this handle
         self._layout = self._layout_fields()
-        self._handlers = {
-            LoadsRequested: self._on_loads,
-            EngineResolved: self._on_engine,
-            ReplyReceived: self._on_reply,
-            AbortRequested: self._on_abort,
-            TimePassed: lambda ev, now: None,
-        }
 
     # -- public ------------------------------------------------------------------------------
 

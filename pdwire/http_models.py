@@ -17,9 +17,12 @@ from . import sections
 from .errors import DecodeError
 from .messages import V2, Fingerprint
 
-#: What ``addr`` must look like (§4.1): a ZMQ TCP endpoint with a host and a port.
 #: The longest registration body a pdwire server reads (4.1-R17).
 MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
+#: The bootstrap server's port when none is given: VLLM_MOONCAKE_BOOTSTRAP_PORT's default
+#: (4.4-R14), and the proxy's for a P whose bootstrap port is omitted (5.4-R16).
+DEFAULT_BOOTSTRAP_PORT: Final = 8998
+#: What ``addr`` must look like (§4.1): a ZMQ TCP endpoint with a host and a port.
 WORKER_ADDR: Final = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
 
 

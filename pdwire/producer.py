@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Final
+from collections.abc import Mapping
+from typing import ClassVar, Final
 
 import msgspec
 
@@ -138,6 +139,15 @@ def _drop_unagreed_codes(reply: Reply, agreement: Agreement) -> None:
 class ProducerSession(Session[ProducerInput, ProducerOutput]):
     """One P worker's protocol state: its transfers, the pulls it serves, its layout cache."""
 
+    HANDLERS: ClassVar[Mapping[type, str]] = {
+        MessageReceived: "_on_message",
+        TransferStarted: "_on_started",
+        TransferFinished: "_on_finished",
+        TransferWillNotSend: "_on_will_not_send",
+        WriteCompleted: "_on_write_completed",
+        TimePassed: "_on_time",
+    }
+
     def __init__(self, config: ProducerConfig) -> None:
         super().__init__()
         self.config = config
@@ -148,14 +158,6 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         self._deferred_cancels: dict[int, list[MessageReceived]] = {}  # pull key -> cancels
         self._plans: dict[tuple[object, ...], Plan | PlanError] = {}
         self._peer_layouts: OrderedDict[tuple[object, ...], Plan | PlanError] = OrderedDict()
-        self._handlers = {
-            MessageReceived: self._on_message,
-            TransferStarted: self._on_started,
-            TransferFinished: self._on_finished,
-            TransferWillNotSend: self._on_will_not_send,
-            WriteCompleted: self._on_write_completed,
-            TimePassed: self._on_time,
-        }
 
     # -- public ------------------------------------------------------------------------------
 
@@ -701,9 +703,6 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             return pull is not None and pull.generation == what[1]
         t = self._transfers.get(str(what))
         return t is not None and t.expire_at == when
-
-    def _on_time(self, ev: TimePassed, now: float) -> None:
-        pass  # the timers fire after every event
 
     def _fire(self, entry: Timer, now: float) -> None:
         if entry[2] == "transfer":

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, Generic, TypeVar
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -16,10 +16,13 @@ Timer = tuple[float, int, str, Any]  # (when, sequence, kind, what)
 
 
 class Session(Generic[In, Out]):
-    """Subclasses fill ``_handlers`` and implement ``_timer_live`` and ``_fire``."""
+    """Subclasses name each input type's handler in ``HANDLERS`` and implement ``_timer_live``
+    and ``_fire``. A handler is looked up by name at each input, so a method replaced on the
+    class takes effect in sessions already made."""
+
+    HANDLERS: ClassVar[Mapping[type, str]] = {}
 
     def __init__(self) -> None:
-        self._handlers: dict[type, Callable[[Any, float], None]] = {}
         self._timers: list[Timer] = []
         self._ids = itertools.count(1)
         self._out: list[Out] = []
@@ -28,7 +31,7 @@ class Session(Generic[In, Out]):
     def handle(self, event: In, now: float) -> list[Out]:
         """Apply ``event`` at time ``now``; return what to do, in order."""
         self._now = now
-        self._handlers[type(event)](event, now)
+        getattr(self, self.HANDLERS[type(event)])(event, now)
         while self._timers and self._timers[0][0] <= now:
             entry = heapq.heappop(self._timers)
             if self._timer_live(entry):
@@ -52,6 +55,9 @@ class Session(Generic[In, Out]):
 
     def _fire(self, entry: Timer, now: float) -> None:
         raise NotImplementedError
+
+    def _on_time(self, event: Any, now: float) -> None:
+        pass  # the timers fire after every input
 
     def _after_timers(self, now: float) -> None:
         """Called once the due timers have fired: for work they gathered to do together."""

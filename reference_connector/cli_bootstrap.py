@@ -7,15 +7,13 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pdwire.auth import read_key_file
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
 from .cli_common import EXIT_USAGE, serve, standalone
 
 if TYPE_CHECKING:  # the server (FastAPI, uvicorn) loads only when the command runs
     from .bootstrap import BootstrapServer
-
-
-DEFAULT_PORT = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default (4.4-R14)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pdwire.auth import read_key_file
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.versions import LEGACY, PDWIRE_2
 
 from .cli_common import serve, standalone
@@ -18,7 +19,6 @@ if TYPE_CHECKING:  # torch, the workers and the server load only when the comman
 
 
 DEFAULT_PORT = 8000
-DEFAULT_BOOTSTRAP_PORT = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         from . import mutants
 
         for m in mutants.MUTANTS.values():
-            own = "own-proxy" if m.role == "proxy" else "own-node" if m.node else "switchable"
+            own = "own-proxy" if m.role == "proxy" else "own-node" if m.own_node else "switchable"
             print(f"{m.name:<28} {m.role:<8} {own:<10} {m.defect}")
         return 0
     from .kv_content import KVShape

@@ -32,6 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
 
 from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
@@ -53,7 +54,6 @@ from .node_worker import Role, WorkerError, WorkerHandle, WorkerSpec
 logger = logging.getLogger(__name__)
 
 Policy = Literal["fail", "recompute"]
-DEFAULT_BOOTSTRAP_PORT: Final = 8998  # VLLM_MOONCAKE_BOOTSTRAP_PORT's default
 _ALLOC_POLL_S: Final = 0.005
 _SETTLE_S: Final = 10.0  # how long a failed load's blocks may take to be released
 _DEADLINE_GRACE_S: Final = 1.0  # past a D leg's deadline_ms, before the front aborts itself
@@ -225,7 +225,7 @@ class NodeEngine:
 
         if name:
             m = mutants.get(name)
-            if m.role != self.config.role or m.node:
+            if m.role != self.config.role or m.own_node:
                 raise ValueError(f"mutant {name} needs a {m.role} node of its own")
         mutants.apply(name)
         await self._all("mutant", name)

@@ -28,7 +28,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdwire.http_models import DecodeParams, PrefillParams, QueryResponse
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT, DecodeParams, PrefillParams, QueryResponse
 from pdwire.versions import LEGACY, WIRE_VERSION, check_profile
 
 from . import bootstrap_client
@@ -38,7 +38,6 @@ from .http_server import AppServer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BOOTSTRAP_PORT: Final = 8998  # 5.4-R16
 POLL_INTERVAL_S: Final = 1.0  # vLLM's proxy polls P's /health every second (5.4-R1)
 HEALTH_TIMEOUT_S: Final = 2.0
 BOOTSTRAP_TIMEOUT_S: Final = 2.0

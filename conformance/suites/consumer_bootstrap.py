@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
-from contextlib import closing
 
 from ..case import CaseFailed, expect
 from ..peers.fake_p import FakeP
 from ..peers.http import HttpResult, transfer_id
+from ..ports import free_port
 from .consumer_env import ConsumerCtx, consumer_case
 
 FAST = 2.5  # "at once": a failure that needs no wait on P comes within this
-
-
-def _closed_port(host: str) -> int:
-    with closing(socket.socket()) as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-    return port
 
 
 def _expect_reason(t: ConsumerCtx, got: HttpResult, fake: FakeP, bootstrap: str) -> None:
@@ -164,7 +156,7 @@ async def unreachable_bootstrap_fails(t: ConsumerCtx) -> None:
     """When D cannot reach the bootstrap server at all, it fails the request soon, with the
     reason of 4.2-R4."""
     fake = await t.fake_p()
-    url = f"http://{t.options.host}:{_closed_port(t.options.host)}"
+    url = f"http://{t.options.host}:{free_port(t.options.host)}"
     start = time.monotonic()
     got = await t.complete(t.prompt(), t.params(fake, transfer_id(), remote_bootstrap_addr=url))
     t.expect_failed(got)

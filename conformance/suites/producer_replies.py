@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from typing import Any, Final
@@ -20,6 +19,7 @@ from pdwire.versions import LEGACY
 
 from ..case import case, expect, expect_equal
 from ..peers.fake_d import Reply
+from ..ports import free_port
 from .producer_env import ProducerCtx
 
 FINISH, CONTINUE = XferResponseStatus.FINISH, XferResponseStatus.CONTINUE
@@ -250,13 +250,6 @@ async def legacy_replies_are_vllm_bytes(t: ProducerCtx) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 @case(
     "producer/10.5/2",
     "10.5.4",
@@ -273,7 +266,7 @@ async def failed_write_fails_the_round(t: ProducerCtx) -> None:
     d_req = t.new_d_req()
     workers = t.d_workers()
     taken = {w: w.take(t.blocks_for()) for w in workers}
-    dead = _free_port()
+    dead = free_port()
     try:
         for w in workers:
             for addr in t.targets(w):

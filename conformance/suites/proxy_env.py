@@ -29,8 +29,8 @@ import httpx
 
 from ..case import Case, CaseFailed, Suite, WireLog, expect
 from ..peers.backends import MODEL, FakeAPI, FakeBootstrap, Hit
+from ..ports import free_port
 from ..runner import Result, RunOptions, run_suite
-from ..testees import free_port
 
 #: The environment variable holding the API key of a proxy started with ``--key-command``.
 KEY_ENV: Final = "PDWIRE_CONFORMANCE_API_KEY"

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
+
 from ..case import Unsupported, case, expect
 from ..peers.loop_server import bind
 from .proxy_env import ProxyCtx, World
 
-DEFAULT_BOOTSTRAP_PORT = 8998
 #: Bound on each start-up step: vLLM's proxy polls every second.
 STEP_S = 5.0
 

@@ -5,7 +5,8 @@ applies the mutant: a patch of one behaviour of pdwire's own code, made in that 
 ``pdwire node --mutant-control`` lets the harness switch mutants on and off in a running node
 instead (``POST /pdwire/mutant``): every patch goes through ``replace``, which keeps what it
 replaced, so ``restore`` puts the reference back. A mutant that changes the node's configuration
-(``node``) needs a node of its own. Each mutant is caught by at least one conformance case
+(``node``), or whose patch reaches only what starts after it (``at_start``: a constructor, a loop
+already running), needs a node of its own. Each mutant is caught by at least one conformance case
 (``caught_by`` in ``conformance``), and the test suite shows it. Never use a mutant for anything
 but testing the harness.
 """
@@ -26,6 +27,12 @@ class Mutant:
     defect: str  # what is broken, in one line
     patch: Callable[[], None]  # applies the defect in the calling process
     node: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # NodeConfig overrides
+    at_start: bool = False  # the patch reaches only what is made after it
+
+    @property
+    def own_node(self) -> bool:
+        """Whether the mutant needs a node started with it, not switched on in a running one."""
+        return bool(self.node) or self.at_start
 
 
 MUTANTS: dict[str, Mutant] = {}
@@ -35,14 +42,14 @@ _active = ""
 
 
 def mutant(
-    name: str, role: Role, defect: str, **node: Any
+    name: str, role: Role, defect: str, *, at_start: bool = False, **node: Any
 ) -> Callable[[Callable[[], None]], Callable[[], None]]:
     """Register the decorated function as the patch of mutant ``name``."""
 
     def register(patch: Callable[[], None]) -> Callable[[], None]:
         if name in MUTANTS:
             raise ValueError(f"mutant {name} is defined twice")
-        MUTANTS[name] = Mutant(name, role, defect, patch, node)
+        MUTANTS[name] = Mutant(name, role, defect, patch, node, at_start)
         return patch
 
     return register

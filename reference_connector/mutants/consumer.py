@@ -85,7 +85,12 @@ def _short_block_list() -> None:
     replace(ConsumerSession, "_on_loads", on_loads)
 
 
-@mutant("omits-layout-unechoed", "decode", "omits its layout before P echoed its layout_id")
+@mutant(
+    "omits-layout-unechoed",
+    "decode",
+    "omits its layout before P echoed its layout_id",
+    at_start=True,
+)
 def _omits_layout_unechoed() -> None:
     class EchoedByAll(set[str]):
         def __contains__(self, item: object) -> bool:

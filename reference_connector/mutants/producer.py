@@ -58,7 +58,10 @@ def _reply_delimiter() -> None:
 
 
 @mutant(
-    "answers-multi-frame", "prefill", "answers a message of three frames instead of dropping it"
+    "answers-multi-frame",
+    "prefill",
+    "answers a message of three frames instead of dropping it",
+    at_start=True,
 )
 def _answers_multi_frame() -> None:
     async def receive(self: producer_agent.ProducerAgent) -> None:

@@ -86,7 +86,7 @@ def _query_drops_fields() -> None:
     replace(bootstrap._Engine, "_announcement", announcement)
 
 
-@mutant("no-health", "prefill", "the bootstrap server has no GET /health")
+@mutant("no-health", "prefill", "the bootstrap server has no GET /health", at_start=True)
 def _no_health() -> None:
     original = bootstrap.create_app
 

@@ -120,7 +120,7 @@ def _version_key_announces() -> None:
     _wrap_decode(check)
 
 
-@mutant("small-size-limit", "prefill", "rejects every message longer than 1 MiB")
+@mutant("small-size-limit", "prefill", "rejects every message longer than 1 MiB", at_start=True)
 def _small_size_limit() -> None:
     original = ProducerSession.__init__
 
@@ -130,7 +130,7 @@ def _small_size_limit() -> None:
     replace(ProducerSession, "__init__", init)
 
 
-@mutant("no-size-limit", "prefill", "decodes a message of any length")
+@mutant("no-size-limit", "prefill", "decodes a message of any length", at_start=True)
 def _no_size_limit() -> None:
     original = ProducerSession.__init__
 

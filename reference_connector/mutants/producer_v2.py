@@ -82,7 +82,7 @@ def _rejects_unknown_caps() -> None:
     replace(ProducerSession, "_check_pull", check)
 
 
-@mutant("upper-case-caps", "prefill", "announces its capabilities in upper case")
+@mutant("upper-case-caps", "prefill", "announces its capabilities in upper case", at_start=True)
 def _upper_case_caps() -> None:
     original = ProducerSession.__init__
 

@@ -48,10 +48,10 @@ from typing import Any, Final
 from pdwire.auth import read_key_file
 from pdwire.consumer import LOAD_DEADLINE
 from pdwire.errors import LocalProtocolError
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.producer import ABORT_REQUEST_TIMEOUT
 from pdwire.versions import PDWIRE_2, Profile, check_profile
 
-DEFAULT_BOOTSTRAP_PORT: Final = 8998
 DEFAULT_BOOTSTRAP_TIMEOUT: Final = 30.0
 #: vLLM's margin of D's receive timeout over P's ready wait (3.1-R8).
 RECEIVE_MARGIN: Final = 60.0

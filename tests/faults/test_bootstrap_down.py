@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from conformance.testees import free_port
+from conformance.ports import free_port
 from reference_connector.bootstrap import BootstrapServer
 
 from .conftest import Shared

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.testees import free_port
+from conformance.ports import free_port
 
 from .conftest import Shared
 from .deployment import (

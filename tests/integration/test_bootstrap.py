@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from conformance.ports import free_port
 from pdwire import error_strings as es
 from pdwire.http_models import QueryResponse, RegisterWorkerPayload
 from pdwire.messages import Fingerprint
@@ -100,12 +101,6 @@ def v2(**extra: Any) -> dict[str, Any]:
 def post(http: httpx.Client, body: dict[str, Any] | RegisterWorkerPayload) -> httpx.Response:
     doc = body.dump() if isinstance(body, RegisterWorkerPayload) else body
     return http.post("/register", json=doc)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- /register and /query -------------------------------------------------------------------

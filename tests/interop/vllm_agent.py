@@ -20,17 +20,16 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 from collections.abc import Sequence
-from contextlib import closing
 from typing import Any, Final
 from unittest import mock
 from urllib.parse import urlsplit
 
 import torch
 
+from conformance.ports import free_port
 from pdwire.events import LoadRequest
 from reference_connector.worker_agents import WorkerContext
 
@@ -38,13 +37,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.005
 _CONNECTOR: Final = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
-
-
-def _free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _model_dir(ctx: WorkerContext) -> str:
@@ -117,7 +109,7 @@ class VllmWorkerAgent:
             init_distributed_environment(
                 world_size=1,
                 rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
                 local_rank=0,
                 backend="gloo",
             )

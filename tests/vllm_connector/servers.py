@@ -7,15 +7,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import closing, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
+
+from conformance.ports import free_port
 
 SITE: Final = Path(__file__).parent / "site"
 START_TIMEOUT_S: Final = 480.0
@@ -25,13 +26,6 @@ CONNECTOR: Final = {
     "kv_connector_module_path": "reference_connector.vllm.connector",
 }
 IN_TREE: Final = {"kv_connector": "MooncakeConnector"}
-
-
-def free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Server:
@@ -46,30 +40,46 @@ class Server:
         core: int,
         kv_transfer: dict[str, Any] | None = None,
         bootstrap: bool = False,
+        worker_in_engine: bool = False,
         args: tuple[str, ...] = (),
     ) -> None:
-        """``bootstrap``: a P whose connector starts a bootstrap server, on a port of its own."""
+        """``bootstrap``: a P whose connector starts a bootstrap server, on a port of its own.
+        ``worker_in_engine``: the model runs in the engine core's process (vLLM's ``uni``
+        executor), not in a worker process of its own: one process fewer to start, and the
+        connector's scheduler and worker halves share a process."""
         self.name = name
+        self.log = logs / f"{name}.log"
+        self._model, self._core, self._kv_transfer = model, core, kv_transfer
+        self._wants_bootstrap, self._args = bootstrap, args
+        self._worker_in_engine = worker_in_engine
+        self.restarted = False
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the server on ports picked now."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env: dict[str, str] = {}
         self.bootstrap = ""
-        if bootstrap:
+        if self._wants_bootstrap:
             bootstrap_port = free_port()
             env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap_port)
             self.bootstrap = f"http://127.0.0.1:{bootstrap_port}"
-        self.log = logs / f"{name}.log"
         command = [
             sys.executable,
             *("-m", "vllm.entrypoints.openai.api_server"),
-            *("--model", str(model), "--host", "127.0.0.1", "--port", str(self.port)),
+            *("--model", str(self._model), "--host", "127.0.0.1", "--port", str(self.port)),
             *("--dtype", "bfloat16", "--max-model-len", "512", "--block-size", "32"),
             *("--max-num-seqs", "8", "--num-gpu-blocks-override", "256"),
             *("--enforce-eager", "--seed", "0"),
-            *args,
+            *self._args,
         ]
-        if kv_transfer is not None:
-            command += ["--kv-transfer-config", json.dumps(kv_transfer)]
+        if self._worker_in_engine:
+            command += ["--distributed-executor-backend", "uni"]
+            # Without this vLLM's CPU platform turns ``uni`` back into ``mp``.
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if self._kv_transfer is not None:
+            command += ["--kv-transfer-config", json.dumps(self._kv_transfer)]
         full_env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")])),
@@ -79,12 +89,12 @@ class Server:
             "DO_NOT_TRACK": "1",
             "VLLM_HOST_IP": "127.0.0.1",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core % (os.cpu_count() or 1)),
+            "VLLM_CPU_OMP_THREADS_BIND": str(self._core % (os.cpu_count() or 1)),
             "OMP_NUM_THREADS": "1",
             "MC_LOG_LEVEL": "ERROR",
             **env,
         }
-        with self.log.open("wb") as out:
+        with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 command,
                 env=full_env,
@@ -94,16 +104,40 @@ class Server:
                 start_new_session=True,
             )
 
-    def tail(self, lines: int = 40) -> str:
+    def _lines(self) -> list[str]:
         try:
-            text = self.log.read_text(errors="replace")
+            return self.log.read_text(errors="replace").splitlines()
         except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+            return []
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self._lines()[-lines:])
+
+    def errors(self, most: int = 20) -> str:
+        """The log's distinct error lines, earliest first: the root cause of a failed start is
+        often far above the tail, which holds the API server's own traceback."""
+        found = [line for line in self._lines() if "rror" in line or "xception" in line]
+        return "\n".join(list(dict.fromkeys(found))[:most])
+
+    def _lost_a_port(self) -> bool:
+        return any("Address already in use" in line for line in self._lines())
+
+    def report(self) -> str:
+        return f"log {self.log}\nerror lines:\n{self.errors()}\nlast lines:\n{self.tail()}"
 
     def healthy(self) -> bool:
+        """Up and answering ``/health``. A server that lost one of its ports to another process
+        while it started (the port is picked here and bound there) starts again, once, on new
+        ports; any other exit is the test's failure."""
+        if self.proc.poll() is not None and not self.restarted and self._lost_a_port():
+            self.restarted = True
+            self.stop()
+            with self.log.open("a") as out:
+                out.write(f"\n--- {self.name}: a port was taken while it started; again ---\n")
+            self._spawn()
+            return False
         if self.proc.poll() is not None:
-            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+            raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.report()}")
         try:
             return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
@@ -131,7 +165,7 @@ def wait_healthy(servers: list[Server], timeout: float = START_TIMEOUT_S) -> Non
             return
         if time.monotonic() > deadline:
             names = ", ".join(s.name for s in waiting)
-            tails = "\n\n".join(f"{s.name}:\n{s.tail()}" for s in waiting)
+            tails = "\n\n".join(f"{s.name}:\n{s.report()}" for s in waiting)
             raise TimeoutError(f"not healthy after {timeout}s: {names}\n{tails}")
         time.sleep(1.0)
 

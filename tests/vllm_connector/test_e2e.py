@@ -9,7 +9,9 @@ vLLM D. For each pair, greedy completions of the same prompts must equal the sin
 prompt token (D computes nothing of the prompt: with ``kv_load_failure_policy`` "fail", a load
 that failed would have ended the request with an error); and afterwards neither side holds a KV
 block. A stop token as P's first token must answer D at once, not after P's 480 s timer.
-D servers run without a prefix cache, so every request loads its whole prompt.
+D servers run without a prefix cache, so every request loads its whole prompt. The single
+server and the legacy pair run the model in the engine core's process; the others in a worker
+process of its own, as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -51,15 +53,19 @@ ANSWER_BOUND_S: Final = 60.0
 LOGPROB_TOLERANCE: Final = 0.05
 NO_PREFIX_CACHE: Final = ("--no-enable-prefix-caching",)
 
-# name: (core, kv-transfer-config, starts a bootstrap server, extra arguments)
-SERVERS: Final[dict[str, tuple[int, dict[str, Any] | None, bool, tuple[str, ...]]]] = {
-    "single": (1, None, False, ()),
-    "p_pdwire2": (0, sv.pdwire("kv_producer", "pdwire/2"), True, ()),
-    "d_pdwire2": (1, sv.pdwire("kv_consumer", "pdwire/2"), False, NO_PREFIX_CACHE),
-    "p_legacy": (0, sv.pdwire("kv_producer", "legacy"), True, ()),
-    "d_legacy": (1, sv.pdwire("kv_consumer", "legacy"), False, NO_PREFIX_CACHE),
-    "p_in_tree": (0, sv.in_tree("kv_producer"), True, ()),
-    "d_in_tree": (1, sv.in_tree("kv_consumer"), False, NO_PREFIX_CACHE),
+# name: (core, kv-transfer-config, starts a bootstrap server, extra arguments, model in a worker
+# process). The pdwire/2 pair and vLLM's in-tree connector run vLLM's default process layout (a
+# worker process beside the engine core, connector metadata pickled between them); the single
+# server and the legacy pair run the model in the engine core: one process fewer to start on two
+# cores. (The in-tree P never answers a pull with the model in the engine core.)
+SERVERS: Final[dict[str, tuple[int, dict[str, Any] | None, bool, tuple[str, ...], bool]]] = {
+    "single": (1, None, False, (), False),
+    "p_pdwire2": (0, sv.pdwire("kv_producer", "pdwire/2"), True, (), True),
+    "d_pdwire2": (1, sv.pdwire("kv_consumer", "pdwire/2"), False, NO_PREFIX_CACHE, True),
+    "p_legacy": (0, sv.pdwire("kv_producer", "legacy"), True, (), False),
+    "d_legacy": (1, sv.pdwire("kv_consumer", "legacy"), False, NO_PREFIX_CACHE, False),
+    "p_in_tree": (0, sv.in_tree("kv_producer"), True, (), True),
+    "d_in_tree": (1, sv.in_tree("kv_consumer"), False, NO_PREFIX_CACHE, True),
 }
 # pair: (P, D, the proxy's profile)
 PAIRS: Final = {
@@ -80,9 +86,16 @@ def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     logs = tmp_path_factory.mktemp("vllm-logs")
     started: dict[str, sv.Server] = {}
     try:
-        for name, (core, kv, bootstrap, args) in SERVERS.items():
+        for name, (core, kv, bootstrap, args, worker_process) in SERVERS.items():
             started[name] = sv.Server(
-                name, model, logs, core=core, kv_transfer=kv, bootstrap=bootstrap, args=args
+                name,
+                model,
+                logs,
+                core=core,
+                kv_transfer=kv,
+                bootstrap=bootstrap,
+                worker_in_engine=not worker_process,
+                args=args,
             )
         sv.wait_healthy(list(started.values()))
         yield started

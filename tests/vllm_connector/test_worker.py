@@ -6,11 +6,9 @@ byte for byte equal to P's; failures come back as failed loads with their blocks
 
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import closing
 from pathlib import Path
 from typing import Any, Final
 
@@ -26,6 +24,7 @@ from vllm.distributed import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from conformance.ports import free_port
 from reference_connector.vllm.connector import PdwireConnector
 from reference_connector.vllm.metadata import Load, NoSend, PdwireConnectorMetadata, Send
 
@@ -41,13 +40,6 @@ P_BLOCKS: Final = [5, 6, 7]
 D_BLOCKS: Final = [20, 21, 40]
 
 
-def _free_port() -> int:
-    with closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """vLLM's parallel state for one process (TP 1, PP 1), as a worker process has it."""
@@ -57,7 +49,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             local_rank=0,
             backend="gloo",
         )
@@ -177,7 +169,7 @@ def make_pair(make_engine: Any) -> Any:
     def make(
         profile: str, p: dict[str, Any] | None = None, d: dict[str, Any] | None = None
     ) -> Pair:
-        port = _free_port()
+        port = free_port()
         (producer,) = make_engine("kv_producer", profile, port=port, extra=p)
         (consumer,) = make_engine("kv_consumer", profile, port=port, extra=d)
         return producer, consumer, f"http://127.0.0.1:{port}"
@@ -315,7 +307,7 @@ def _settled(p: Engine, d: Engine) -> None:
 @pytest.mark.parametrize("profile", ["pdwire/2", "legacy"])
 def test_p_tp1_to_d_tp2(make_engine: Any, profile: str) -> None:
     """Each D rank pulls its own head from the one P rank, which frees after both pulls."""
-    port = _free_port()
+    port = free_port()
     (p,) = make_engine("kv_producer", profile, port=port)
     d = make_engine("kv_consumer", profile, port=port, tp=2)
     fill(p)
@@ -331,7 +323,7 @@ def test_p_tp1_to_d_tp2(make_engine: Any, profile: str) -> None:
 def test_p_tp2_to_d_tp1(make_engine: Any) -> None:
     """The D rank pulls from both P ranks (each registered at the bootstrap server that P's TP
     rank 0 runs): each writes its head into D's block."""
-    port = _free_port()
+    port = free_port()
     p = make_engine("kv_producer", "pdwire/2", port=port, tp=2)
     (d,) = make_engine("kv_consumer", "pdwire/2", port=port)
     for w in p:
@@ -346,7 +338,7 @@ def test_p_tp2_to_d_tp1(make_engine: Any) -> None:
 
 def test_p_pp2_to_d_pp1(make_engine: Any) -> None:
     """P's two pipeline stages hold one layer each; D, one stage, pulls from both."""
-    port = _free_port()
+    port = free_port()
     p = make_engine("kv_producer", "pdwire/2", port=port, pp=2)
     (d,) = make_engine("kv_consumer", "pdwire/2", port=port)
     for w in p:
