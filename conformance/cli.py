@@ -212,6 +212,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     mut.add_argument("--check", action="store_true", help="run them, not just list them")
     mut.add_argument("--json", metavar="PATH", help="write each mutant's verdicts as JSON")
     mut.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="check up to N groups of mutants side by side, each in testees of its own (1); "
+        "the mutants of one role are one group",
+    )
+    mut.add_argument(
         "--timeout",
         type=float,
         default=3.0,
@@ -500,7 +508,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         )
 
     try:
-        results = asyncio.run(check_mutants(chosen, cases, args.timeout, show))
+        results = asyncio.run(check_mutants(chosen, cases, args.timeout, show, args.jobs))
     except (RuntimeError, OSError, TimeoutError) as exc:
         print(f"pdwire conformance mutants: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -64,18 +64,48 @@ async def _switched(
     return {r.case.id: r.verdict.value for r in results}
 
 
+def groups_of(
+    names: Sequence[str], info: dict[str, testees.MutantInfo], jobs: int
+) -> list[list[str]]:
+    """``names`` in at most ``jobs`` groups to check side by side. The mutants of one role stay
+    in one group: they share that role's testees, and the proxy suite binds fixed ports."""
+    by_role: dict[str, list[str]] = {}
+    for name in names:
+        by_role.setdefault(info[name].role, []).append(name)
+    groups: list[list[str]] = [[] for _ in range(max(1, min(jobs, len(by_role))))]
+    for members in sorted(by_role.values(), key=len, reverse=True):
+        min(groups, key=len).extend(members)
+    return [g for g in groups if g]
+
+
 async def check_mutants(
     names: Sequence[str],
     cases: Sequence[Case],
     timeout: float,
     on_result: Callable[[MutantResult], None] | None = None,
+    jobs: int = 1,
 ) -> list[MutantResult]:
     """Run each of ``names`` against the cases that name it: in one switching testbed, and in
-    a second one sharing a key for the cases that need it (§8.6)."""
+    a second one sharing a key for the cases that need it (§8.6). With ``jobs`` above 1, groups
+    of mutants (``groups_of``) are checked side by side, each group in testbeds of its own."""
     info = testees.mutants()
     unknown = [n for n in names if n not in info]
     if unknown:
         raise RuntimeError(f"no such mutants: {', '.join(unknown)}")
+    found = await asyncio.gather(
+        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(names, info, jobs))
+    )
+    by_name = {r.name: r for group in found for r in group}
+    return [by_name[n] for n in names]
+
+
+async def _check_group(
+    names: Sequence[str],
+    info: dict[str, testees.MutantInfo],
+    cases: Sequence[Case],
+    timeout: float,
+    on_result: Callable[[MutantResult], None] | None,
+) -> list[MutantResult]:
     out: list[MutantResult] = []
     beds: dict[bool, Testbed] = {}
 

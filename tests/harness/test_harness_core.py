@@ -15,9 +15,11 @@ import pytest
 from conformance import case as case_module
 from conformance import traceability
 from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases, case, expect
+from conformance.mutation import groups_of
 from conformance.report import write_html, write_json, write_junit
 from conformance.requirements import CATALOGUE, Level, dump, get, parse, parse_spec
 from conformance.runner import RunOptions, exit_code, read_list, run_case, select, summary
+from conformance.testees import MutantInfo
 from conformance.traceability import UNCOVERED
 
 
@@ -188,3 +190,13 @@ def test_a_must_without_a_case_is_found() -> None:
     rows = traceability.table([c for c in all_cases() if "3.2-R4" not in c.covers])
     assert "3.2-R4" in {r.id for r in traceability.uncovered_musts(rows)}
     assert "3.2-R4" not in UNCOVERED
+
+
+def test_mutant_groups_keep_a_role_together_and_balance_by_count() -> None:
+    roles = {"p1": "prefill", "p2": "prefill", "p3": "prefill", "d1": "decode", "x1": "proxy"}
+    info = {n: MutantInfo(n, r, True) for n, r in roles.items()}  # type: ignore[arg-type]
+    names = sorted(roles)
+    assert [sorted(g) for g in groups_of(names, info, 1)] == [names]
+    assert groups_of(names, info, 2) == [["p1", "p2", "p3"], ["d1", "x1"]]
+    three = groups_of(names, info, 5)  # no more groups than roles
+    assert sorted(map(sorted, three)) == [["d1"], ["p1", "p2", "p3"], ["x1"]]
