@@ -4,13 +4,14 @@ Run from the repository root: ``python -m tests.bench.runtime_ratios [--quick] [
 One P agent and one D agent (TP1, pdwire/2) over Mooncake on loopback TCP, a bootstrap server
 and two registered KV tensors, all in this process:
 
-- transfer: a 63-block request of 8 layers x K/V (32 KiB blocks, contiguous ids: 16 descriptors
-  of 63 x 32 KiB), D's ``load()`` to ``on_loaded``, P ready first; baseline: the same transport
-  pair's ``raw_write`` of the same descriptors. Rounds alternate raw, agent; the ratio is the
-  median of the rounds' agent GB/s / raw GB/s. The issue's target is >= 0.9.
+- transfer: a 63-block request of 36 layers x K/V (32 KiB blocks, contiguous ids: 72
+  descriptors of 63 x 32 KiB, the seeds' 148.6 MB), D's ``load()`` to ``on_loaded``, P ready
+  first; baseline: the same transport pair's ``raw_write`` of the same descriptors. Rounds
+  alternate raw, agent; the ratio is the median of the rounds' agent GB/s / raw GB/s. The
+  target is >= 0.9.
 - control: a release-only pull (no blocks) from D's ``load()`` until D closes the pull on P's
   FINISH; baseline: a fresh DEALER's round trip of a frame of the pull's size to a ROUTER echo.
-- throughput: 4-block requests (16 descriptors), 8 loads in flight from one D; baseline: as many
+- throughput: 4-block requests (72 descriptors), 8 loads in flight from one D; baseline: as many
   ``raw_write`` calls of the same descriptor sets back to back.
 
 Nothing here asserts timings; a failed or short transfer raises.
@@ -46,10 +47,10 @@ from reference_connector.transport import OK, MooncakeTransport
 
 from .codec_ratios import QUICK, Settings, bench_main
 
-#: The seeds' block geometry (Qwen3-8B, TP1: 8 KV heads x 128 x 16 tokens x bf16 = 32 KiB per
-#: layer's K or V of one block), cut to 8 layers so that a run stays short.
+#: The seeds' geometry (Qwen3-8B, TP1: 36 layers; 8 KV heads x 128 x 16 tokens x bf16 = 32 KiB
+#: per layer's K or V of one block): a 63-block request is the seeds' 148.6 MB.
 GEOM: Final = Geometry(
-    num_layers=8, num_kv_heads=8, head_dim=128, block_size=16, dtype_bytes=2, num_blocks=128
+    num_layers=36, num_kv_heads=8, head_dim=128, block_size=16, dtype_bytes=2, num_blocks=128
 )
 FP: Final = GEOM.fingerprint("bench")
 BIG_BLOCKS: Final = 63  # blocks of the transfer case's requests (a 1000-token prompt)
