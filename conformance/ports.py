@@ -9,6 +9,7 @@ Mooncake's is one that only an explicit choice, like this one, takes.
 
 from __future__ import annotations
 
+import functools
 import random
 import socket
 from contextlib import closing
@@ -20,6 +21,7 @@ TRIES: Final = 200
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
+@functools.cache
 def _pick_range() -> tuple[int, int]:
     """``PICK_RANGE``, cut to end below the ephemeral range where that starts lower."""
     low, high = PICK_RANGE
@@ -33,15 +35,16 @@ def _pick_range() -> tuple[int, int]:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port on ``host`` that nothing listens on now, outside the ranges others pick from."""
     low, high = _pick_range()
-    for _ in range(TRIES):
-        port = random.randrange(low, high)
-        with closing(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    picks = [random.randrange(low, high) for _ in range(TRIES)]
+    for port in [*picks, 0]:  # 0 last: every pick was taken, so the kernel chooses
+        with closing(socket.socket(family)) as s:
             try:
                 s.bind((host, port))
             except OSError:
+                if port == 0:
+                    raise
                 continue
-            return port
-    with closing(socket.socket()) as s:  # every pick taken: let the kernel choose
-        s.bind((host, 0))
-        chosen: int = s.getsockname()[1]
-        return chosen
+            chosen: int = s.getsockname()[1]
+            return chosen
+    raise AssertionError("unreachable")
