@@ -17,7 +17,17 @@ from typing import Any
 
 from .case import Case, Suite, all_cases
 from .requirements import CATALOGUE, dump, parse_spec
-from .runner import Progress, Result, RunOptions, exit_code, read_list, select, summary
+from .runner import (
+    DEFAULT_REQUEST_TIMEOUT,
+    Progress,
+    Result,
+    RunOptions,
+    exit_code,
+    read_list,
+    scale_for,
+    select,
+    summary,
+)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -46,9 +56,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--timeout",
         type=float,
-        default=10.0,
+        default=DEFAULT_REQUEST_TIMEOUT,
         metavar="S",
-        help="seconds to wait for any one reply or HTTP answer of the testee (10)",
+        help="seconds to wait for any one reply or HTTP answer of the testee (10); above 10, "
+        "each case's own bound grows in the same proportion",
     )
     g.add_argument("-q", "--quiet", action="store_true", help="no line per case, only the summary")
 
@@ -304,6 +315,7 @@ def cmd_requirements(args: argparse.Namespace) -> int:
 def run_options(args: argparse.Namespace) -> RunOptions:
     return RunOptions(
         strict=args.strict,
+        timeout_scale=scale_for(args.timeout),
         known_failing=read_list(args.known_failing) if args.known_failing else frozenset(),
         known_flaky=read_list(args.known_flaky) if args.known_flaky else frozenset(),
     )

@@ -44,7 +44,7 @@ import httpx
 
 from .case import Case, Suite, all_cases
 from .ports import free_port
-from .runner import Progress, Result, RunOptions, select, summary
+from .runner import Progress, Result, RunOptions, scale_for, select, summary
 
 ROLES: Final = ("prefill", "decode")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -387,7 +387,8 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
     cases = [c for c in select(all_cases(), args.cases or manifest.cases) if c.suite is Suite.PAIR]
     began = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    cells = asyncio.run(run_matrix(manifest, cases, RunOptions(), args.quiet))
+    options = RunOptions(timeout_scale=scale_for(manifest.timeout))
+    cells = asyncio.run(run_matrix(manifest, cases, options, args.quiet))
     ended = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     prefills = [i.name for i in manifest.implementations if i.plays("prefill")]
     decodes = [i.name for i in manifest.implementations if i.plays("decode")]

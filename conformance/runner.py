@@ -16,6 +16,15 @@ from typing import Any, Protocol, TextIO
 from .case import Case, CaseFailed, Skip, Suite, Unsupported, Verdict, WireLog
 from .requirements import Level
 
+#: The wait for any one reply or answer of a testee that the cases' own bounds are sized for.
+DEFAULT_REQUEST_TIMEOUT = 10.0
+
+
+def scale_for(request_timeout: float) -> float:
+    """The factor on every case's bound when each wait may last ``request_timeout``: a slow
+    testee given longer waits gets longer cases too, never shorter ones."""
+    return max(1.0, request_timeout / DEFAULT_REQUEST_TIMEOUT)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunOptions:

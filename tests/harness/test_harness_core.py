@@ -18,7 +18,15 @@ from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases,
 from conformance.mutation import groups_of
 from conformance.report import write_html, write_json, write_junit
 from conformance.requirements import CATALOGUE, Level, dump, get, parse, parse_spec
-from conformance.runner import RunOptions, exit_code, read_list, run_case, select, summary
+from conformance.runner import (
+    RunOptions,
+    exit_code,
+    read_list,
+    run_case,
+    scale_for,
+    select,
+    summary,
+)
 from conformance.testees import MutantInfo
 from conformance.traceability import UNCOVERED
 
@@ -115,6 +123,26 @@ def test_verdicts(
     assert result.verdict is verdict
     assert detail in result.detail
     assert result.unexpected is (verdict is Verdict.FAIL)
+
+
+async def _answers_in_a_third_of_a_second(ctx: Any) -> None:
+    await asyncio.sleep(0.3)
+
+
+def test_longer_waits_give_a_case_a_longer_bound() -> None:
+    """``--timeout`` above the default stretches every case's bound in proportion, so a slow
+    testee given long waits is not cut off by a bound sized for the default; it never shrinks."""
+    from conformance import cli
+    from pdwire.cli import build_parser
+
+    slow = _case(MUST, _answers_in_a_third_of_a_second, timeout=0.1)
+    assert asyncio.run(run_case(slow, lambda log: None, RunOptions())).verdict is Verdict.FAIL
+    stretched = RunOptions(timeout_scale=scale_for(60.0))
+    assert asyncio.run(run_case(slow, lambda log: None, stretched)).verdict is Verdict.PASS
+    parser = build_parser()
+    for given, scale in (([], 1.0), (["--timeout", "3"], 1.0), (["--timeout", "60"], 6.0)):
+        args = parser.parse_args(["conformance", "pair", "--prefill", "x", "--decode", "y", *given])
+        assert cli.run_options(args).timeout_scale == scale
 
 
 def test_known_failing_and_flaky() -> None:
