@@ -1,10 +1,14 @@
-"""Free TCP ports for the processes a run starts.
+"""Free TCP ports: for the processes a run starts, and for the harness's own fake peers.
 
 A port is picked by the parent and bound later by a child, so another process can take it in
 between. The kernel hands out ephemeral ports (``bind(("", 0))``, pyzmq's
 ``bind_to_random_port``, every outgoing connection) from ``ip_local_port_range``, and the Mooncake
 engine takes its RPC ports from 15000-17000; a port picked below the ephemeral range and above
 Mooncake's is one that only an explicit choice, like this one, takes.
+
+A fake peer's socket binds at once, in the harness's process, but it must never take an address
+that a peer of an earlier case had: the testee remembers what it learnt of an address (a P
+worker's version, 8.2-R2), and would apply it to the newcomer.
 """
 
 from __future__ import annotations
@@ -14,10 +18,16 @@ import random
 import socket
 from contextlib import closing
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
+
+import zmq
 
 PICK_RANGE: Final = (20000, 32000)
 TRIES: Final = 200
+#: Where fake peers bind (pyzmq's range for ``bind_to_random_port``), apart from PICK_RANGE so
+#: that they never take a port picked for a process that has not bound it yet.
+PEER_RANGE: Final = (49152, 65536)
+_bound: set[int] = set()  # every port ``bind_fresh`` tried in this process
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -48,3 +58,20 @@ def free_port(host: str = "127.0.0.1") -> int:
             chosen: int = s.getsockname()[1]
             return chosen
     raise AssertionError("unreachable")
+
+
+def bind_fresh(sock: zmq.Socket[Any], host: str) -> int:
+    """Bind ``sock`` on ``host`` to a port of PEER_RANGE that no socket of this process tried
+    before; return the port."""
+    low, high = PEER_RANGE
+    for _ in range(TRIES):
+        port = random.randrange(low, high)
+        if port in _bound:
+            continue
+        _bound.add(port)
+        try:
+            sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:  # taken, as an outgoing connection's port for one
+            continue
+        return port
+    raise RuntimeError(f"no port of {low}-{high - 1} on {host} bound in {TRIES} tries")

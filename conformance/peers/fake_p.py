@@ -41,6 +41,7 @@ from pdwire.vectors import as_json
 from pdwire.versions import CURRENT_VERSION, LEGACY, PDWIRE_2, Capability
 
 from ..case import CaseFailed, WireLog
+from ..ports import bind_fresh
 from .engine import Engine
 from .loop_server import LoopServer, bind
 from .rawpack import map_keys
@@ -209,7 +210,7 @@ class FakeP:
             for tp in range(self.config.tp):
                 sock = self._ctx.socket(zmq.ROUTER)
                 sock.setsockopt(zmq.LINGER, 0)
-                port = sock.bind_to_random_port(f"tcp://{self.host}")
+                port = bind_fresh(sock, self.host)
                 w = _Worker(tp, pp, sock, f"tcp://{self.host}:{port}")
                 w.reader = asyncio.create_task(self._read(w))
                 self._workers[tp, pp] = w

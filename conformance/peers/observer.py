@@ -44,6 +44,7 @@ from pdwire.messages import XferCancel, XferMetadataV2, XferResponseStatus, Xfer
 from pdwire.vectors import as_json
 
 from ..case import WireLog
+from ..ports import bind_fresh
 
 #: The requirement of a problem that is the observer's own failure: every case reports it.
 HARNESS: Final = "harness"
@@ -418,7 +419,7 @@ class Observer:
             host = _endpoint_of(self.host)
             if host.startswith("["):
                 router.setsockopt(zmq.IPV6, 1)
-            port = router.bind_to_random_port(f"tcp://{host}")
+            port = bind_fresh(router, host)
             ep = _Endpoint(view, dp, (tp, pp), target, router, f"tcp://{host}:{port}")
             ep.reader = asyncio.create_task(self._from_d(ep), name=f"relay {ep.address}")
             self._endpoints[key] = ep
