@@ -13,6 +13,9 @@ from .proxy_env import ProxyCtx, World
 
 #: Bound on each start-up step: vLLM's proxy polls every second.
 STEP_S = 5.0
+#: How long completions keep getting 503 while P is unhealthy: long enough for what the proxy
+#: read from a /query it sent anyway to take effect, even on a loaded machine.
+WATCH_S = 1.5
 
 
 async def _polled(w: World) -> None:
@@ -72,7 +75,7 @@ async def unavailable_until_ready(t: ProxyCtx) -> None:
     leg is sent; once both are, completions are served."""
     w = await t.own_world(p_health=503)
     await _polled(w)
-    await _unavailable(t, w, "P's /health answers 503")
+    await _unavailable(t, w, "P's /health answers 503", WATCH_S)
     w.bootstrap.status = 503
     changed = time.monotonic()
     w.p.health = 200
@@ -89,16 +92,23 @@ async def unavailable_until_ready(t: ProxyCtx) -> None:
     )
 
 
-async def _unavailable(t: ProxyCtx, w: World, phase: str) -> None:
-    body = t.body()
-    reply = await t.complete(body, w)
-    expect(
-        reply.status == 503, f"while {phase}, the proxy answered {reply.describe()}, not HTTP 503"
-    )
-    expect(
-        not [h for h in w.p.hits + w.d.hits if h.prompt == body["prompt"]],
-        f"while {phase}, the proxy sent a leg of the request anyway",
-    )
+async def _unavailable(t: ProxyCtx, w: World, phase: str, watch: float = 0.0) -> None:
+    """Completions sent for ``watch`` seconds (one at least) get HTTP 503, and no leg."""
+    end = time.monotonic() + watch
+    while True:
+        body = t.body()
+        reply = await t.complete(body, w)
+        expect(
+            reply.status == 503,
+            f"while {phase}, the proxy answered {reply.describe()}, not HTTP 503",
+        )
+        expect(
+            not [h for h in w.p.hits + w.d.hits if h.prompt == body["prompt"]],
+            f"while {phase}, the proxy sent a leg of the request anyway",
+        )
+        if time.monotonic() >= end:
+            return
+        await asyncio.sleep(0.1)
 
 
 @case(
