@@ -1,25 +1,26 @@
 """Showing that every case can fail: each mutant of the reference testee against the cases that
 name it, every one of which must fail (``pdwire conformance mutants --check``).
 
-One testbed serves every mutant that can be switched on in a running node: a mutant is switched
-on, its cases run, it is switched off, and the node must then be healthy and hold no block, or it
-is restarted. A mutant that needs a node of its own (one that changes the node's configuration),
-or that survives in a switched node, is run once more on a fresh node: a patch that takes effect
-only at start-up shows there.
+One testbed per layout of testees (``selftest.LAYOUTS``) serves every mutant that can be switched
+on in a running node: a mutant is switched on, its cases run, it is switched off, and the node
+must then be healthy and hold no block, or it is restarted. A mutant that needs a node of its
+own (one that changes the node's configuration), or that survives in a switched node, is run once
+more on a fresh node: a patch that takes effect only at start-up shows there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from . import testees
 from .case import Case, Verdict
 from .runner import RunOptions
-from .selftest import Testbed, keyed, roles_for, run_suites, testbed
+from .selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites, testbed
 
 #: Longer than the testees' timers: what a mutant run left behind must be freed by then.
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
@@ -41,9 +42,9 @@ class MutantResult:
 
 
 async def _on_own_node(
-    name: str, role: str, cases: Sequence[Case], timeout: float, keyed: bool
+    name: str, role: str, cases: Sequence[Case], timeout: float, layout: Layout
 ) -> dict[str, str]:
-    async with testbed(roles_for(cases), mutant=name, role=role, keyed=keyed) as bed:
+    async with testbed(roles_for(cases), layout, mutant=name, role=role) as bed:
         results = await run_suites(bed, cases, RunOptions(strict=True), None, timeout)
     return {r.case.id: r.verdict.value for r in results}
 
@@ -85,8 +86,8 @@ async def check_mutants(
     on_result: Callable[[MutantResult], None] | None = None,
     jobs: int = 1,
 ) -> list[MutantResult]:
-    """Run each of ``names`` against the cases that name it: in one switching testbed, and in
-    a second one sharing a key for the cases that need it (§8.6). With ``jobs`` above 1, groups
+    """Run each of ``names`` against the cases that name it, in a switching testbed of each
+    layout those cases run in (``selftest.layout_of``). With ``jobs`` above 1, groups
     of mutants (``groups_of``) are checked side by side, each group in testbeds of its own."""
     info = testees.mutants()
     unknown = [n for n in names if n not in info]
@@ -107,26 +108,25 @@ async def _check_group(
     on_result: Callable[[MutantResult], None] | None,
 ) -> list[MutantResult]:
     out: list[MutantResult] = []
-    beds: dict[bool, Testbed] = {}
+    beds: dict[Layout, Testbed] = {}
+    roles = {layout: roles_for(mine) for layout, mine in by_layout(cases).items()}
 
-    async def bed(with_key: bool) -> Testbed:
-        if with_key not in beds:
-            beds[with_key] = Testbed()
-            await beds[with_key].start({"prefill", "decode"}, mutant_control=True, keyed=with_key)
-        return beds[with_key]
+    async def bed(layout: Layout) -> Testbed:
+        if layout not in beds:
+            beds[layout] = Testbed(layout)
+            await beds[layout].start(roles[layout], mutant_control=True)
+        return beds[layout]
 
     async def check(m: testees.MutantInfo) -> MutantResult:
+        mine = [c for c in cases if m.name in c.caught_by]
         if m.role == "proxy":  # on a proxy of its own, which the proxy suite starts
-            mine = [c for c in cases if m.name in c.caught_by]
-            verdicts = await _on_own_node(m.name, m.role, mine, timeout, False)
+            verdicts = await _on_own_node(m.name, m.role, mine, timeout, DEFAULT)
             return MutantResult(m.name, m.role, "own node", verdicts)
         result = MutantResult(m.name, m.role, "switched", {})
-        for with_key in (False, True):
-            mine = [c for c in cases if m.name in c.caught_by and keyed(c) == with_key]
-            if mine:
-                one = await _with_retry(await bed(with_key), m, mine, timeout, with_key)
-                result.verdicts.update(one.verdicts)
-                result.mode = one.mode
+        for layout, theirs in by_layout(mine).items():
+            one = await _with_retry(functools.partial(bed, layout), m, theirs, timeout, layout)
+            result.verdicts.update(one.verdicts)
+            result.mode = one.mode
         return result
 
     try:
@@ -144,11 +144,17 @@ async def _check_group(
 
 
 async def _with_retry(
-    bed: Testbed, m: testees.MutantInfo, cases: Sequence[Case], timeout: float, keyed: bool
+    bed: Callable[[], Awaitable[Testbed]],
+    m: testees.MutantInfo,
+    cases: Sequence[Case],
+    timeout: float,
+    layout: Layout,
 ) -> MutantResult:
+    """``_check_one``, once more on fresh testees when a testee failed; ``bed`` gives the
+    switching testbed of ``layout`` (started when first asked for)."""
     for attempt in range(TRIES):
         try:
-            return await _check_one(bed, m, cases, timeout, keyed)
+            return await _check_one(bed, m, cases, timeout, layout)
         except (RuntimeError, OSError) as exc:
             # A node that failed to start, to switch, or to answer a suite's first request
             # (TesteeError is a RuntimeError) says nothing about the mutant: start the testbed
@@ -156,17 +162,23 @@ async def _with_retry(
             if attempt == TRIES - 1:
                 raise
             print(f"{m.name}: {exc}; restarting the testees", file=sys.stderr, flush=True)
-            for role in ("decode", "prefill"):
-                await bed.restart(role)
+            if m.switchable:
+                switching = await bed()
+                for role in sorted(switching.nodes, reverse=True):
+                    await switching.restart(role)
     raise AssertionError("unreachable")
 
 
 async def _check_one(
-    bed: Testbed, m: testees.MutantInfo, cases: Sequence[Case], timeout: float, keyed: bool
+    bed: Callable[[], Awaitable[Testbed]],
+    m: testees.MutantInfo,
+    cases: Sequence[Case],
+    timeout: float,
+    layout: Layout,
 ) -> MutantResult:
     result = MutantResult(m.name, m.role, "switched", {})
     if m.switchable and m.role != "proxy":
-        result.verdicts = await _switched(bed, m.name, m.role, cases, timeout)
+        result.verdicts = await _switched(await bed(), m.name, m.role, cases, timeout)
     if not m.switchable or not result.caught:
         if m.switchable:
             print(
@@ -175,5 +187,5 @@ async def _check_one(
                 flush=True,
             )
         result.mode = "own node"
-        result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, keyed)
+        result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, layout)
     return result

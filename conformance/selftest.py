@@ -1,10 +1,11 @@
 """``pdwire conformance self``: the reference testees, started here, against every suite.
 
-The reference P runs TP 2 (with its bootstrap server), the reference D TP 1 and decodes from
-whatever KV its P writes (``--no-verify-kv``), as an engine with a real model does: the consumer
-suite's fake P writes bytes of its own. Both run with short timers. A mutant goes to the testee
-of its role only. The authentication cases (§8.6) run against a second P and D that share a key
-with the harness.
+By default the reference P runs TP 2 (with its bootstrap server), the reference D TP 1 and
+decodes from whatever KV its P writes (``--no-verify-kv``), as an engine with a real model does:
+the consumer suite's fake P writes bytes of its own. Both run with short timers. A case that
+needs other testees names them in ``LAYOUTS`` (a P of two PP stages, a D of TP 2), and the
+authentication cases (§8.6) run against a P and D that share a key with the harness: each
+layout gets testees of its own. A mutant goes to the testee of its role only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from pdwire.codec import DEFAULT_MAX_MESSAGE_BYTES
 from pdwire.sim.geometry import Geometry
@@ -25,13 +26,48 @@ from . import testees
 from .case import Case, Suite
 from .runner import Result, RunOptions
 
-PREFILL_TP = 2
 RECEIVE_TIMEOUT = 3.0  # the reference D's receive timeout per pull
 GEOMETRY = Geometry(testees.LAYERS, testees.KV_HEADS, testees.HEAD_DIM, testees.BLOCK_SIZE)
 DECODE_FLAGS = ("--no-verify-kv", "--receive-timeout", str(RECEIVE_TIMEOUT))
 AUTH_SECTION = "8.6"
 #: The key the keyed testees share with the harness.
 AUTH_KEY = b"pdwire conformance self"
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Layout:
+    """The reference testees a case runs against: their parallel sizes, and whether they share
+    AUTH_KEY with the harness."""
+
+    keyed: bool = False
+    prefill_tp: int = 2
+    prefill_pp: int = 1
+    decode_tp: int = 1
+
+
+DEFAULT: Final = Layout()
+#: The testees of the cases that need a P of several PP stages or a D of TP 2: one layout for
+#: both, so that they share one start.
+PARALLEL: Final = Layout(prefill_tp=1, prefill_pp=2, decode_tp=2)
+#: The cases that need testees of other sizes than DEFAULT's, and theirs.
+LAYOUTS: Final[dict[str, Layout]] = {"producer/10.2/3": PARALLEL, "consumer/10.1/2": PARALLEL}
+
+
+#: The testees of the authentication cases (§8.6), which need no P of TP 2.
+KEYED: Final = Layout(keyed=True, prefill_tp=1)
+
+
+def layout_of(c: Case) -> Layout:
+    """The testees ``c`` runs against."""
+    return LAYOUTS.get(c.id, KEYED if c.section == AUTH_SECTION else DEFAULT)
+
+
+def by_layout(cases: Sequence[Case]) -> dict[Layout, list[Case]]:
+    """``cases`` by the testees they run against, DEFAULT's first."""
+    out: dict[Layout, list[Case]] = {}
+    for c in cases:
+        out.setdefault(layout_of(c), []).append(c)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] != DEFAULT, kv[0])))
 
 
 def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
@@ -45,29 +81,38 @@ def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
     return roles
 
 
-def keyed(c: Case) -> bool:
-    """Whether ``c`` needs testees that share a key with the harness (§8.6)."""
-    return c.section == AUTH_SECTION
-
-
 def start(
-    role: testees.Role, mutant: str = "", mutant_control: bool = False, key_file: str = ""
+    role: testees.Role,
+    layout: Layout = DEFAULT,
+    mutant: str = "",
+    mutant_control: bool = False,
+    key_file: str = "",
 ) -> testees.Testee:
-    """A reference testee as a self run has it; with ``key_file``, sharing that key (§8.6)."""
+    """A reference testee of ``layout``; with ``key_file``, sharing that key (§8.6)."""
     extra = ("--auth-key-file", key_file) if key_file else ()
     if role == "prefill":
         return testees.start_node(
-            role, tp=PREFILL_TP, mutant=mutant, mutant_control=mutant_control, extra=extra
+            role,
+            tp=layout.prefill_tp,
+            pp=layout.prefill_pp,
+            mutant=mutant,
+            mutant_control=mutant_control,
+            extra=extra,
         )
     return testees.start_node(
-        role, mutant=mutant, mutant_control=mutant_control, extra=(*DECODE_FLAGS, *extra)
+        role,
+        tp=layout.decode_tp,
+        mutant=mutant,
+        mutant_control=mutant_control,
+        extra=(*DECODE_FLAGS, *extra),
     )
 
 
 @dataclasses.dataclass
 class Testbed:
-    """The reference testees of a run, by role."""
+    """The reference testees of one layout, by role."""
 
+    layout: Layout = DEFAULT
     nodes: dict[testees.Role, testees.Testee] = dataclasses.field(default_factory=dict)
     key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
     mutant_control: bool = False
@@ -83,13 +128,12 @@ class Testbed:
         mutant: str = "",
         role: str = "",
         mutant_control: bool = False,
-        keyed: bool = False,
     ) -> None:
         """Start the nodes of ``roles`` at once (starting one is mostly waiting for its worker
-        processes); ``mutant`` goes to the node of ``role``; ``keyed``: they share AUTH_KEY."""
+        processes); ``mutant`` goes to the node of ``role``."""
         self.mutant_control = mutant_control
         self.proxy_mutant = mutant if role == "proxy" else ""
-        if keyed and not self.key_file:
+        if self.layout.keyed and not self.key_file:
             fd, self.key_file = tempfile.mkstemp(prefix="pdwire-conformance-", suffix=".key")
             with os.fdopen(fd, "wb") as f:
                 f.write(AUTH_KEY)
@@ -97,7 +141,12 @@ class Testbed:
         got = await asyncio.gather(
             *(
                 asyncio.to_thread(
-                    start, r, mutant if r == role else "", mutant_control, self.key_file
+                    start,
+                    r,
+                    self.layout,
+                    mutant if r == role else "",
+                    mutant_control,
+                    self.key_file,
                 )
                 for r in todo
             ),
@@ -115,7 +164,7 @@ class Testbed:
         if node is not None:
             await asyncio.to_thread(node.stop)
         self.nodes[role] = await asyncio.to_thread(
-            start, role, "", self.mutant_control, self.key_file
+            start, role, self.layout, "", self.mutant_control, self.key_file
         )
 
     async def stop(self) -> None:
@@ -178,8 +227,10 @@ async def run_suites(
 
 
 @contextlib.asynccontextmanager
-async def testbed(roles: set[testees.Role], **kw: Any) -> AsyncIterator[Testbed]:
-    bed = Testbed()
+async def testbed(
+    roles: set[testees.Role], layout: Layout = DEFAULT, **kw: Any
+) -> AsyncIterator[Testbed]:
+    bed = Testbed(layout)
     try:
         await bed.start(roles, **kw)
         yield bed
@@ -196,10 +247,17 @@ async def run_self(
 ) -> list[Result]:
     role = testees.mutants()[mutant].role if mutant else ""
     results: list[Result] = []
-    for with_key in (False, True):
-        mine = [c for c in cases if keyed(c) == with_key]
-        if not mine:
-            continue
-        async with testbed(roles_for(mine), mutant=mutant, role=role, keyed=with_key) as bed:
-            results += await run_suites(bed, mine, options, on_result, timeout)
+    stopping: list[asyncio.Task[None]] = []
+    try:
+        for layout, mine in by_layout(cases).items():
+            bed = Testbed(layout)
+            try:
+                await bed.start(roles_for(mine), mutant, role)
+                results += await run_suites(bed, mine, options, on_result, timeout)
+            finally:
+                # A layout's testees stop while the next one's start: a stop is mostly waiting
+                # for processes to exit.
+                stopping.append(asyncio.create_task(bed.stop()))
+    finally:
+        await asyncio.gather(*stopping)
     return results

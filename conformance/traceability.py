@@ -70,14 +70,9 @@ UNCOVERED: Final[dict[str, str]] = {
     "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "
     "T after the pull and before its placeholder expires, also at T (§6.2); "
     "tests/unit/test_producer.py checks pdwire's producer session",
-    "6.3-R7": "needs a D that batches several requests into one pull; a D batches as it chooses, "
-    "and the harness cannot make it (tests/unit/test_consumer.py checks pdwire's)",
     "8.4-R6": "no wire version after pdwire/2 exists yet to add a status or a message type",
     "8.4-R8": "a rule of pdwire's library API, not of the wire: tests/unit/test_negotiation.py",
     "9.1-R6": _GEOMETRY,
-    "10.1.1": "a D of TP 2 or more is needed for a P TP that is not a multiple of it; the D of "
-    "pdwire conformance self runs TP 1 (tests/unit/test_consumer.py checks pdwire's D)",
-    "10.2.1": "needs a P of several PP stages; the P of pdwire conformance self runs PP 1",
     "10.2.8": _GEOMETRY,
     "10.3.2": "need_send is P's count of the pulls it waits for: a black box shows only when it "
     "frees, which other cases check (tests/unit/test_producer.py checks pdwire's count)",

@@ -9,9 +9,7 @@ from ..case import CaseFailed, expect
 from ..peers.fake_p import FakeP
 from ..peers.http import HttpResult, transfer_id
 from ..ports import free_port
-from .consumer_env import ConsumerCtx, consumer_case
-
-FAST = 2.5  # "at once": a failure that needs no wait on P comes within this
+from .consumer_env import FAST, ConsumerCtx, consumer_case
 
 
 def _expect_reason(t: ConsumerCtx, got: HttpResult, fake: FakeP, bootstrap: str) -> None:

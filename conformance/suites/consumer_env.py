@@ -31,6 +31,7 @@ from ..runner import Result, RunOptions, run_suite
 
 DECODE_KEYS: Final = ("remote_bootstrap_addr", "remote_engine_id", "transfer_id")
 QUIET: Final = 0.3  # how long to watch for something that must not arrive
+FAST: Final = 2.5  # "at once": a failure that needs no wait on P comes within this
 #: Long enough that each wait of a case for D (``request_timeout``) ends first, and says what
 #: the case waited for.
 CASE_TIMEOUT: Final = 60.0

@@ -8,8 +8,8 @@ import asyncio
 from pdwire.messages import XferResponseStatus
 from pdwire.planning import target_ranks
 
-from ..case import expect
-from .consumer_env import QUIET, ConsumerCtx, consumer_case
+from ..case import Unsupported, expect
+from .consumer_env import FAST, QUIET, ConsumerCtx, consumer_case
 
 ERROR = XferResponseStatus.ERROR
 APART = 0.3  # seconds between the answers of two P ranks
@@ -43,6 +43,33 @@ async def pulls_every_paired_tp_rank(t: ConsumerCtx) -> None:
     t.expect_decoded(await leg.result())
     extra = await fake.next(QUIET, lambda r: r.kind == "pull")
     expect(extra is None, f"D pulled once more: {extra and extra.describe()}")
+
+
+@consumer_case(
+    "consumer/10.1/2",
+    "10.1.1",
+    caught_by=("tp-pairs-unchecked",),
+)
+async def no_pull_when_the_tp_sizes_do_not_divide(t: ConsumerCtx) -> None:
+    """With a P whose TP size neither divides D's nor is a multiple of it (D's TP plus one, for a
+    D of TP 2 or more), D pulls from none of P's workers and fails the request at once."""
+    probe = await t.fake_p()
+    leg = t.start(probe)
+    pulls = await t.all_pulls(probe, leg)
+    for rx in pulls:
+        await probe.serve(rx)
+    t.expect_decoded(await leg.result(), "the request from a P of TP 1")
+    assert pulls[0].pull is not None
+    d_tp = pulls[0].pull.remote_tp_size
+    if d_tp < 2:
+        raise Unsupported(f"D runs TP {d_tp}: every P TP size is a multiple of it")
+    fake = await t.fake_p(tp=d_tp + 1)
+    got = await t.start(fake).result()
+    await t.quiet(fake)  # and what D sends just after its answer
+    stray = [rx.describe() for rx in fake.history]
+    expect(not stray, f"D of TP {d_tp} sent a P of TP {d_tp + 1} {stray[:2]}")
+    t.expect_failed(got, f"a request from a P of TP {d_tp + 1} to a D of TP {d_tp}")
+    expect(got.elapsed < FAST, f"D took {got.elapsed:.2f}s to fail a request it cannot pull")
 
 
 @consumer_case(

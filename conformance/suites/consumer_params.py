@@ -9,7 +9,7 @@ from pdwire import error_strings
 from pdwire.messages import XferResponseStatus
 from pdwire.versions import Capability
 
-from ..case import expect, expect_equal
+from ..case import Unsupported, expect, expect_equal
 from ..peers.http import transfer_id
 from .consumer_env import DECODE_KEYS, QUIET, ConsumerCtx, consumer_case
 
@@ -172,6 +172,63 @@ async def no_pull_after_the_deadline(t: ConsumerCtx) -> None:
         late is None,
         f"D pulled after the request's deadline had passed: {late and late.describe()}",
     )
+
+
+#: As DEADLINE_SLACK_MS, for two requests sent at once: D may read the second one's deadline
+#: that much after the harness sent it.
+BATCH_SLACK_MS = 500
+
+
+@consumer_case(
+    "consumer/6.3/2",
+    "6.3-R7",
+    covers=("6.3-R4",),
+    timeout=20.0,
+    caught_by=("pull-deadline-earliest",),
+)
+async def one_pull_carries_the_latest_deadline(t: ConsumerCtx) -> None:
+    """Two requests that wait together for P's slow /query, with deadlines of 1.5 s and 5 s:
+    when D sends them in one pull, its deadline_ms is the time left until the later deadline,
+    and D still withdraws the earlier request at its own deadline (an XferCancel naming it
+    alone) and fails it, while the later one loads."""
+    await t.require_pdwire2(Capability.DEADLINE, Capability.CANCEL)
+    fake = await t.fake_p()
+    fake.hold_query = 0.4
+    early, late = 1.5, 5.0
+    legs = [t.start(fake, deadline_ms=int(budget * 1000)) for budget in (early, late)]
+    rx = await t.pull(fake)
+    assert rx.pull is not None
+    named = {tid for tid, _ in rx.pull.req_blocks.values()}
+    if len(named) < 2:
+        await t.serve_until_done(fake, legs)
+        raise Unsupported("D sent the two requests in pulls of their own")
+    first, second = (rx.d_req(leg.transfer_id) for leg in legs)
+    early_left, late_left = (
+        (budget - (rx.t - leg.sent)) * 1000 for budget, leg in zip((early, late), legs, strict=True)
+    )
+    sent_ms = rx.pull.deadline_ms
+    expect(
+        early_left + 1000 < sent_ms <= late_left + BATCH_SLACK_MS,
+        f"the pull's deadline_ms is {sent_ms}: expected the {late_left:.0f} ms left until the "
+        f"later deadline, not the {early_left:.0f} ms until the earlier one",
+    )
+    wait = max(0.1, early + SLACK - (time.monotonic() - legs[0].sent))
+    cancel = await t.pull(fake, wait, kind="cancel", what="XferCancel at the earlier deadline")
+    assert cancel.cancel is not None
+    expect_equal(cancel.cancel.cancel_reqs, {first: legs[0].transfer_id}, "cancel_reqs")
+    await fake.reply(cancel, ok=[first])
+    t.expect_failed(await legs[0].result(), "the request past its deadline")
+    took = time.monotonic() - legs[0].sent
+    expect(took < early + 2 * SLACK, f"D answered {took:.2f}s after a deadline of {early}s")
+    fake.write(rx, [second])
+    await fake.reply(
+        rx,
+        ok=[second],
+        err=[first],
+        err_msg=error_strings.CANCELLED,
+        err_codes={first: "CANCELLED"},
+    )
+    t.expect_decoded(await legs[1].result(), "the request whose deadline had not passed")
 
 
 @consumer_case(

@@ -13,8 +13,9 @@ from typing import Any, Final
 
 from pdwire import error_strings
 from pdwire.messages import XferResponseStatus
+from pdwire.planning import target_ranks
 
-from ..case import Skip, case, expect, expect_equal
+from ..case import Skip, Unsupported, case, expect, expect_equal
 from ..peers.fake_d import DWorker, PullResult
 from .producer_env import Loaded, ProducerCtx, describe
 
@@ -48,7 +49,7 @@ def full_kv(loaded: Loaded) -> Full:
 
 async def control(t: ProducerCtx, prompt: list[int]) -> Full:
     """``prompt``'s KV, from a transfer to a D of P's TP and PP."""
-    loaded = await t.load(prompt=prompt)
+    loaded = await t.load(prompt=prompt, d_pp=t.p_pp)
     try:
         t.expect_loaded(loaded)
         return full_kv(loaded)
@@ -56,14 +57,18 @@ async def control(t: ProducerCtx, prompt: list[int]) -> Full:
         t.release(loaded)
 
 
-def expect_slice(full: Full, worker: DWorker, blocks: list[int], first: int = 0) -> None:
+def expect_slice(
+    full: Full, worker: DWorker, blocks: list[int], first: int = 0, only: set[Key] | None = None
+) -> None:
     """Each block of ``worker`` holds its TP rank's share of the KV heads of the control's
-    block ``first + j``, for the layers it holds."""
+    block ``first + j``, for the layers it holds (``only``: of these regions)."""
     s = worker.side
     # Ranks beyond the KV head count hold copies: TP is capped at the heads (10.8.9).
     shards = min(s.tp_size, worker.geometry.num_kv_heads)
     shard = s.tp_rank // (s.tp_size // shards)
     for i, key in enumerate(region_keys(worker)):
+        if only is not None and key not in only:
+            continue
         expect(key in full, f"{describe(worker)}: the control has no region {key}")
         for j, b in enumerate(blocks):
             whole = full[key][first + j]
@@ -216,6 +221,63 @@ async def d_pp_larger(t: ProducerCtx) -> None:
         expect_loaded_slices(t, loaded, full)
     finally:
         t.release(loaded)
+
+
+def written_regions(worker: DWorker, blocks: list[int]) -> tuple[set[Key], set[Key]]:
+    """The regions of ``worker`` whose ``blocks`` were all written, and those written in part."""
+    keys = region_keys(worker)
+    unwritten: dict[int, int] = {}
+    for region, _ in worker.unwritten(blocks):
+        unwritten[region] = unwritten.get(region, 0) + 1
+    whole = {k for i, k in enumerate(keys) if i not in unwritten}
+    part = {k for i, k in enumerate(keys) if 0 < unwritten.get(i, 0) < len(blocks)}
+    return whole, part
+
+
+@case(
+    "producer/10.2/3", "10.2.1", covers=("10.2.7", "10.3.1"), caught_by=("pp-serves-every-layer",)
+)
+async def each_p_stage_serves_its_own_layers(t: ProducerCtx) -> None:
+    """With a P of several PP stages, a D of one stage pulls each stage into blocks of their
+    own: each stage writes whole layers, no two stages the same one, all of them together
+    every layer, with the bytes of a control transfer to a D of P's PP."""
+    if t.p_pp < 2:
+        raise Unsupported(f"P runs {t.p_pp} PP stage: the case needs a P of PP 2 or more")
+    prompt = t.prompt()
+    tid, d_req = t.new_transfer_id(), t.new_d_req()
+    t.expect_leg_ok(await t.start_prefill(tid, prompt=prompt))
+    n = t.blocks_for(len(prompt))
+    staged: list[tuple[DWorker, list[int], set[Key]]] = []
+    try:
+        for worker in t.d_workers(t.p_tp, 1):
+            owner: dict[Key, int] = {}
+            for stage in range(t.p_pp):
+                blocks = worker.take(n)
+                staged.append((worker, blocks, set()))
+                for p_rank in target_ranks(worker.side.tp_size, worker.side.tp_rank, t.p_tp):
+                    addr = t.addr(p_rank, stage)
+                    got = await t.pull(worker, addr, {d_req: (tid, [blocks])})
+                    t.expect_ok(worker, addr, got, d_req)
+                whole, part = written_regions(worker, blocks)
+                expect(not part, f"P stage {stage} wrote only some blocks of {sorted(part)}")
+                expect(bool(whole), f"P stage {stage} wrote no layer for {describe(worker)}")
+                twice = {k: owner[k] for k in whole if k in owner}
+                expect(
+                    not twice,
+                    f"P stage {stage} wrote the regions {sorted(twice)}, which the stages "
+                    f"{sorted(set(twice.values()))} wrote too: a stage serves layers it does "
+                    "not hold",
+                )
+                staged[-1][2].update(whole)
+                owner.update(dict.fromkeys(whole, stage))
+            missing = set(region_keys(worker)) - set(owner)
+            expect(not missing, f"no P stage wrote the regions {sorted(missing)}")
+        full = await control(t, prompt)
+        for worker, blocks, whole in staged:
+            expect_slice(full, worker, blocks, only=whole)
+    finally:
+        for worker, blocks, _ in staged:
+            worker.give_back(blocks)
 
 
 @case(

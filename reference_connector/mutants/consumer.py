@@ -131,6 +131,26 @@ def _pull_deadline_inflated() -> None:
     replace(ConsumerSession, "_pull_message", pull_message)
 
 
+@mutant(
+    "pull-deadline-earliest",
+    "decode",
+    "sends the time left until the earliest deadline of a pull's requests, not the latest",
+)
+def _pull_deadline_earliest() -> None:
+    original = ConsumerSession._pull_message
+
+    def pull_message(
+        self: ConsumerSession, reqs: dict[str, str], with_layout: bool, agreement: Any, now: float
+    ) -> Any:
+        msg = original(self, reqs, with_layout, agreement, now)
+        if isinstance(msg, XferMetadataV2) and msg.deadline_ms and reqs:
+            left = min(self._loads[d].deadline for d in reqs) - now
+            return msgspec.structs.replace(msg, deadline_ms=max(1, int(left * 1000)))
+        return msg
+
+    replace(ConsumerSession, "_pull_message", pull_message)
+
+
 @mutant("cancel-rank-out-of-range", "decode", "names TP rank tp_size in its cancels")
 def _cancel_rank_out_of_range() -> None:
     original = codec.encode_cancel
@@ -609,6 +629,21 @@ def _pulls_one_tp_rank() -> None:
         return original(local_tp, local_rank, remote_tp)[:1]
 
     replace(consumer_module, "target_ranks", first)
+
+
+@mutant(
+    "tp-pairs-unchecked",
+    "decode",
+    "pairs with a P whose TP size does not divide its own (rounding the ratio down) and pulls",
+)
+def _tp_pairs_unchecked() -> None:
+    def rounded(local_tp: int, local_rank: int, remote_tp: int) -> list[int]:
+        if local_tp >= remote_tp:
+            return [local_rank * remote_tp // local_tp]
+        k = remote_tp // local_tp
+        return [local_rank * k + i for i in range(k)]
+
+    replace(consumer_module, "target_ranks", rounded)
 
 
 @mutant(

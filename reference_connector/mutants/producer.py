@@ -4,6 +4,7 @@ pdwire's producer session or agent, in the process that applies it."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -311,6 +312,48 @@ def _no_placeholders() -> None:
                 self._expire(t, now)
 
     replace(ProducerSession, "_on_pull", on_pull)
+
+
+# -- PP stages (§10.2) ------------------------------------------------------------------------
+
+
+@mutant(
+    "pp-serves-every-layer",
+    "prefill",
+    "each PP stage holds, registers and serves every layer of the model, not its own only",
+    at_start=True,
+)
+def _pp_serves_every_layer() -> None:
+    from ..kv_pool import KVPool  # loads torch, which listing the mutants does not need
+
+    original_init, original_side = KVPool.__init__, KVPool.side
+
+    def init(self: KVPool, shape: Any, tp_size: int, tp_rank: int, pp: int, pp_rank: int) -> None:
+        original_init(self, shape, tp_size, tp_rank, 1, 0)  # the whole model's layers and memory
+        self.pp_size, self.pp_rank = pp, pp_rank  # registered as its own stage still
+
+    def side(self: KVPool, base: int) -> Any:
+        stage = self.pp_size, self.pp_rank
+        self.pp_size, self.pp_rank = 1, 0
+        try:
+            whole = original_side(self, base)
+        finally:
+            self.pp_size, self.pp_rank = stage
+        return dataclasses.replace(whole, pp_size=stage[0])
+
+    from .. import node
+
+    original_place = node.place
+
+    def place(table: Any, part: bytes, layers: range, heads: range) -> None:
+        # The front's digest table takes a worker's rows for every layer it now holds.
+        if len(part) != len(layers) * 2 * len(heads) * 8:
+            layers = range(table.shape[0])
+        original_place(table, part, layers, heads)
+
+    replace(KVPool, "__init__", init)
+    replace(KVPool, "side", side)
+    replace(node, "place", place)
 
 
 # -- counting and freeing (§10.3, §10.9) ------------------------------------------------------

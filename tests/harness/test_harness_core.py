@@ -228,3 +228,56 @@ def test_mutant_groups_keep_a_role_together_and_balance_by_count() -> None:
     assert groups_of(names, info, 2) == [["p1", "p2", "p3"], ["d1", "x1"]]
     three = groups_of(names, info, 5)  # no more groups than roles
     assert sorted(map(sorted, three)) == [["d1"], ["p1", "p2", "p3"], ["x1"]]
+
+
+def test_each_case_runs_in_the_layout_it_needs() -> None:
+    """Every case ``selftest.LAYOUTS`` names exists; the rest run in the default layout, the
+    authentication cases in the keyed one; the default layout's cases come first."""
+    from conformance import selftest
+
+    registered = {c.id: c for c in all_cases()}
+    assert set(selftest.LAYOUTS) <= set(registered)
+    groups = selftest.by_layout(all_cases())
+    assert next(iter(groups)) == selftest.DEFAULT
+    for layout, cases in groups.items():
+        for c in cases:
+            if c.id in selftest.LAYOUTS:
+                assert layout == selftest.LAYOUTS[c.id]
+            else:
+                auth = c.section == selftest.AUTH_SECTION
+                assert layout == (selftest.KEYED if auth else selftest.DEFAULT)
+    pp, tp = selftest.LAYOUTS["producer/10.2/3"], selftest.LAYOUTS["consumer/10.1/2"]
+    assert pp.prefill_pp >= 2 and tp.decode_tp >= 2
+
+
+def test_a_fake_peer_never_takes_an_address_one_had_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bind_fresh`` gives each socket a port no socket of the process had, even once the
+    earlier ones closed, so a testee's memory of an address never meets a new peer; a port
+    another socket holds is skipped."""
+    import zmq
+
+    from conformance import ports
+
+    ctx = zmq.Context()
+    try:
+        seen: list[int] = []
+        for _ in range(20):
+            sock = ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            seen.append(ports.bind_fresh(sock, "127.0.0.1"))
+            sock.close()
+        assert len(set(seen)) == len(seen)
+        assert all(ports.PEER_RANGE[0] <= p < ports.PEER_RANGE[1] for p in seen)
+        holder = ctx.socket(zmq.ROUTER)
+        held = holder.bind_to_random_port("tcp://127.0.0.1", *ports.PEER_RANGE)
+        planned, real = [seen[0], held], ports.random.randrange
+        monkeypatch.setattr(
+            ports.random, "randrange", lambda lo, hi: planned.pop(0) if planned else real(lo, hi)
+        )
+        sock = ctx.socket(zmq.ROUTER)
+        got = ports.bind_fresh(sock, "127.0.0.1")
+        assert got not in (seen[0], held)
+        sock.close()
+        holder.close()
+    finally:
+        ctx.term()
