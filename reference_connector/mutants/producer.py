@@ -341,9 +341,9 @@ def _pp_serves_every_layer() -> None:
             self.pp_size, self.pp_rank = stage
         return dataclasses.replace(whole, pp_size=stage[0])
 
-    from .. import node
+    from .. import kv_content, node
 
-    original_place = node.place
+    original_place = kv_content.place
 
     def place(table: Any, part: bytes, layers: range, heads: range) -> None:
         # The front's digest table takes a worker's rows for every layer it now holds.
