@@ -44,7 +44,15 @@ import httpx
 
 from .case import Case, Suite, all_cases
 from .ports import free_port
-from .runner import Progress, Result, RunOptions, scale_for, select, summary
+from .runner import (
+    DEFAULT_REQUEST_TIMEOUT,
+    Progress,
+    Result,
+    RunOptions,
+    scale_for,
+    select,
+    summary,
+)
 
 ROLES: Final = ("prefill", "decode")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -79,7 +87,7 @@ class Implementation:
 class Manifest:
     implementations: tuple[Implementation, ...]
     cases: tuple[str, ...] = ("pair/*",)
-    timeout: float = 10.0  # per reply or answer, as --timeout
+    timeout: float = DEFAULT_REQUEST_TIMEOUT  # per reply or answer, as --timeout
     start_timeout: float = 120.0
 
 
@@ -137,7 +145,7 @@ def load_manifest(path: str | Path) -> Manifest:
     return Manifest(
         tuple(impls),
         tuple([cases] if isinstance(cases, str) else cases),
-        float(doc.get("timeout", 10.0)),
+        float(doc.get("timeout", DEFAULT_REQUEST_TIMEOUT)),
         float(doc.get("start_timeout", 120.0)),
     )
 

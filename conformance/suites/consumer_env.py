@@ -27,7 +27,7 @@ from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, ex
 from ..peers.engine import Engine
 from ..peers.fake_p import DEFAULT_CAPS, FakeP, FakePConfig, Received, Source
 from ..peers.http import HttpResult, request, request_id, transfer_id
-from ..runner import Result, RunOptions, run_suite
+from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
 DECODE_KEYS: Final = ("remote_bootstrap_addr", "remote_engine_id", "transfer_id")
 QUIET: Final = 0.3  # how long to watch for something that must not arrive
@@ -43,7 +43,7 @@ class ConsumerOptions:
     model: str | None = None  # default: the first model of /v1/models
     abort_timeout: float | None = None  # D's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, when known
     receive_timeout: float | None = None  # D's receive timeout per pull, when known
-    request_timeout: float = 10.0  # the longest wait for any one answer of D
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # the longest wait for any one answer of D
     block_size: int | None = None  # D's KV block size; default: from its fingerprint
     host: str = "127.0.0.1"  # where the fake P's listen and write from: reachable from D
     vocab: int = 1000  # prompts use token ids in [1, vocab)

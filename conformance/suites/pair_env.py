@@ -23,7 +23,7 @@ import httpx
 from ..case import Case, CaseFailed, Suite, WireLog, expect
 from ..peers.http import HttpResult, request, request_id, transfer_id
 from ..peers.observer import HARNESS, REAL, Observer, Problem, Relayed
-from ..runner import Result, RunOptions, run_suite
+from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
 #: Prompts of different lengths: shorter than a block, a few blocks, many blocks.
 PROMPTS: Final = (
@@ -44,7 +44,7 @@ class PairOptions:
     prefill_bootstrap: str  # P's bootstrap server, e.g. http://127.0.0.1:8998
     decode: str  # D's OpenAI API
     model: str | None = None  # default: the first model of D's /v1/models
-    request_timeout: float = 10.0
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     engine_id: str | None = None  # which engine of P's /query reply (default: DP rank 0's)
     max_tokens: int = 8  # tokens each request decodes
     answer_bound: float = 1.0  # seconds within which D must answer a transfer P will not send

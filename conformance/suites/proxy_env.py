@@ -30,7 +30,7 @@ import httpx
 from ..case import Case, CaseFailed, Suite, WireLog, expect
 from ..peers.backends import MODEL, FakeAPI, FakeBootstrap, Hit
 from ..ports import free_port
-from ..runner import Result, RunOptions, run_suite
+from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
 #: The environment variable holding the API key of a proxy started with ``--key-command``.
 KEY_ENV: Final = "PDWIRE_CONFORMANCE_API_KEY"
@@ -46,7 +46,7 @@ LEG_WAIT_S: Final = 3.0  # how long a leg may lag behind the client's answer
 class ProxyOptions:
     command: str  # the template that starts the proxy
     key_command: str | None = None  # the same, for a proxy with an API key
-    request_timeout: float = 10.0
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     start_timeout: float = 20.0  # for the proxy to listen, and to be ready
     dp_ranks: int = 2  # of the fake P
 
@@ -71,7 +71,9 @@ REFERENCE_COMMAND: Final = (
 )
 
 
-def reference_options(mutant: str = "", request_timeout: float = 10.0) -> ProxyOptions:
+def reference_options(
+    mutant: str = "", request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+) -> ProxyOptions:
     """The reference proxy, with ``mutant`` when one is given; its key from ``KEY_ENV``."""
     extra = f" --mutant {shlex.quote(mutant)}" if mutant else ""
     return ProxyOptions(
