@@ -46,15 +46,13 @@ class Layout:
 
 
 DEFAULT: Final = Layout()
+#: The testees of the authentication cases (§8.6), which need no P of TP 2.
+KEYED: Final = Layout(keyed=True, prefill_tp=1)
 #: The testees of the cases that need a P of several PP stages or a D of TP 2: one layout for
 #: both, so that they share one start.
 PARALLEL: Final = Layout(prefill_tp=1, prefill_pp=2, decode_tp=2)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {"producer/10.2/3": PARALLEL, "consumer/10.1/2": PARALLEL}
-
-
-#: The testees of the authentication cases (§8.6), which need no P of TP 2.
-KEYED: Final = Layout(keyed=True, prefill_tp=1)
 
 
 def layout_of(c: Case) -> Layout:

@@ -279,13 +279,14 @@ class ProducerCtx:
         """A fake D worker (D TP defaults to P's)."""
         return self.env.worker(tp_size or self.p_tp, tp_rank, pp_size, pp_rank)
 
-    def targets(self, worker: DWorker) -> list[str]:
-        """The P workers ``worker`` pulls from for a transfer (§10.1, §10.2)."""
+    def targets(self, worker: DWorker, stage: int | None = None) -> list[str]:
+        """The P workers ``worker`` pulls from for a transfer (§10.1, §10.2); with ``stage``,
+        those of that P stage only."""
         side = worker.side
         addrs: list[str] = []
         for tp in target_ranks(side.tp_size, side.tp_rank, self.p_tp):
             pps = [worker.pp_rank] if side.pp_size == self.p_pp else range(self.p_pp)
-            addrs.extend(self.addr(tp, pp) for pp in pps)
+            addrs.extend(self.addr(tp, pp) for pp in pps if stage is None or pp == stage)
         return addrs
 
     def announce(self, caps: Sequence[str] | None = None, **fields: Any) -> dict[str, Any]:

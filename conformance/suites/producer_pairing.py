@@ -13,7 +13,6 @@ from typing import Any, Final
 
 from pdwire import error_strings
 from pdwire.messages import XferResponseStatus
-from pdwire.planning import target_ranks
 
 from ..case import Skip, Unsupported, case, expect, expect_equal
 from ..peers.fake_d import DWorker, PullResult
@@ -254,8 +253,7 @@ async def each_p_stage_serves_its_own_layers(t: ProducerCtx) -> None:
             for stage in range(t.p_pp):
                 blocks = worker.take(n)
                 staged.append((worker, blocks, set()))
-                for p_rank in target_ranks(worker.side.tp_size, worker.side.tp_rank, t.p_tp):
-                    addr = t.addr(p_rank, stage)
+                for addr in t.targets(worker, stage):
                     got = await t.pull(worker, addr, {d_req: (tid, [blocks])})
                     t.expect_ok(worker, addr, got, d_req)
                 whole, part = written_regions(worker, blocks)
