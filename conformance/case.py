@@ -43,6 +43,7 @@ class Suite(enum.StrEnum):
     CONSUMER = "consumer"  # the harness is P and its bootstrap server; the testee is a D
     PAIR = "pair"  # the harness is the client and the proxy; the testee is a P and a D
     PROXY = "proxy"  # the harness is the client, P and D; the testee is a proxy
+    REGISTRATION = "registration"  # the harness is P's bootstrap server; the testee is a P
 
 
 class CaseFailed(Exception):
@@ -122,7 +123,7 @@ class WireLog:
 Ctx = TypeVar("Ctx")
 CaseFunc = Callable[[Any], Awaitable[None]]
 
-_ID: Final = re.compile(r"^(producer|consumer|pair|proxy)/(\d+(?:\.\d+)*)/(\d+)$")
+_ID: Final = re.compile(r"^(producer|consumer|pair|proxy|registration)/(\d+(?:\.\d+)*)/(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +164,9 @@ def case(
     its title (its first paragraph)."""
     m = _ID.match(case_id)
     if m is None:
-        raise ValueError(f"case id {case_id!r} is not <producer|consumer|pair|proxy>/<section>/<n>")
+        raise ValueError(
+            f"case id {case_id!r} is not <producer|consumer|pair|proxy|registration>/<section>/<n>"
+        )
     req = get(requirement)
     if m[2] != req.section:
         raise ValueError(

@@ -189,6 +189,47 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     _common(prox)
     prox.set_defaults(func=cmd_proxy)
 
+    reg = sub.add_parser(
+        "registration",
+        help="check how a P registers: the harness is its deployment and bootstrap server",
+        description="Check how a P's workers register at the bootstrap server (spec 4.4). For "
+        "each case the harness starts P from --command, pointed at a scripted bootstrap server "
+        "that lets every attempt time out, refuses it, or answers it late, and checks the "
+        "attempts, their timing, P's failure message and where P serves. P's environment sets "
+        "VLLM_MOONCAKE_CONNECTOR_TIMEOUT (--attempt-timeout) and VLLM_MOONCAKE_BOOTSTRAP_PORT "
+        "(a free port, where P must not serve). The cases run side by side.",
+    )
+    reg.add_argument(
+        "--command",
+        required=True,
+        metavar="TEMPLATE",
+        help="the command line that starts P with an external bootstrap server; placeholders "
+        "{port} (P's API, whose /health says it started), {bootstrap_address} (host:port, "
+        "vLLM's bootstrap_server_address; a host without a port in the case of 4.4-R12), "
+        "{bootstrap_url}, {bootstrap_host}, {bootstrap_port}, {python}. E.g. 'pdwire node "
+        "--role prefill --port {port} --tp 2 --bootstrap {bootstrap_address}'",
+    )
+    reg.add_argument(
+        "--attempt-timeout",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="the VLLM_MOONCAKE_CONNECTOR_TIMEOUT P gets in the case whose attempts time out "
+        "(default 1; 10 in the others)",
+    )
+    reg.add_argument(
+        "--start-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long P may take from its start to its first registration, and to answer "
+        "/health (default 60)",
+    )
+    reg.add_argument("--tp", type=int, help="P's TP size, when its registrations omit it")
+    reg.add_argument("--pp", type=int, help="P's PP size, when its registrations omit it")
+    _common(reg)
+    reg.set_defaults(func=cmd_registration)
+
     from .matrix import add_matrix_parser
     from .preflight import add_preflight_parser
 
@@ -492,6 +533,31 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         args,
         Suite.PROXY,
         lambda cases, ro, progress: run_proxy(options, cases, ro, progress),
+        testee,
+    )
+
+
+def cmd_registration(args: argparse.Namespace) -> int:
+    from .suites.registration_env import RegistrationOptions, check_template, run_registration
+
+    try:
+        check_template(args.command)
+    except ValueError as exc:
+        print(f"pdwire conformance registration: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    options = RegistrationOptions(
+        command=args.command,
+        attempt_timeout=args.attempt_timeout,
+        start_timeout=args.start_timeout,
+        tp=args.tp,
+        pp=args.pp,
+        request_timeout=args.timeout,
+    )
+    testee = {"role": "registration", "command": args.command}
+    return _run(
+        args,
+        Suite.REGISTRATION,
+        lambda cases, ro, progress: run_registration(options, cases, ro, progress),
         testee,
     )
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from . import testees
-from .case import Case, Verdict
+from .case import Case, Suite, Verdict
 from .runner import RunOptions
 from .selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites, testbed
 
@@ -26,6 +26,9 @@ from .selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
 #: Runs of one mutant when a testee fails to start or to switch (not when a case fails).
 TRIES = 2
+#: How many mutants of the suites that start a testee of their own for each case (registration)
+#: are checked side by side: they share nothing, and most of each is waiting for P to start.
+SIDE_BY_SIDE = 3
 
 
 @dataclasses.dataclass
@@ -93,11 +96,44 @@ async def check_mutants(
     unknown = [n for n in names if n not in info]
     if unknown:
         raise RuntimeError(f"no such mutants: {', '.join(unknown)}")
+    alone = [n for n in names if _own_testee_per_case(n, cases)]
+    shared = [n for n in names if n not in alone]
     found = await asyncio.gather(
-        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(names, info, jobs))
+        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(shared, info, jobs))
     )
+    found.append(await _check_side_by_side(alone, info, cases, timeout, on_result))
     by_name = {r.name: r for group in found for r in group}
     return [by_name[n] for n in names]
+
+
+def _own_testee_per_case(name: str, cases: Sequence[Case]) -> bool:
+    """Whether every case that names mutant ``name`` starts a testee of its own."""
+    mine = [c for c in cases if name in c.caught_by]
+    return bool(mine) and all(c.suite is Suite.REGISTRATION for c in mine)
+
+
+async def _check_side_by_side(
+    names: Sequence[str],
+    info: dict[str, testees.MutantInfo],
+    cases: Sequence[Case],
+    timeout: float,
+    on_result: Callable[[MutantResult], None] | None,
+) -> list[MutantResult]:
+    """Mutants whose cases each start their own testee, SIDE_BY_SIDE at a time."""
+    slots = asyncio.Semaphore(SIDE_BY_SIDE)
+
+    async def one(name: str) -> MutantResult:
+        m = info[name]
+        mine = [c for c in cases if name in c.caught_by]
+        async with slots:
+            t0 = time.monotonic()
+            verdicts = await _on_own_node(name, m.role, mine, timeout, DEFAULT)
+            result = MutantResult(name, m.role, "own node", verdicts, time.monotonic() - t0)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    return list(await asyncio.gather(*(one(n) for n in names)))
 
 
 async def _check_group(

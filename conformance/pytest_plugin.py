@@ -38,6 +38,7 @@ _OPTIONS = {
     Suite.CONSUMER: "--pdwire-consumer",
     Suite.PAIR: "--pdwire-pair",
     Suite.PROXY: "--pdwire-proxy",
+    Suite.REGISTRATION: "--pdwire-registration",
 }
 
 
@@ -59,6 +60,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="TEMPLATE",
         help="run proxy cases against the proxy this command line starts (placeholders as "
         "pdwire conformance proxy --command takes them)",
+    )
+    group.addoption(
+        "--pdwire-registration",
+        metavar="TEMPLATE",
+        help="run registration cases against the P this command line starts (placeholders as "
+        "pdwire conformance registration --command takes them)",
     )
     group.addoption(
         "--pdwire-abort-timeout",
@@ -172,6 +179,15 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
 
         xenv = ProxyEnv(ProxyOptions(command=target, request_timeout=timeout))
         return xenv, lambda log: ProxyCtx(xenv, log)
+    if suite is Suite.REGISTRATION:
+        from .suites.registration_env import (
+            RegistrationCtx,
+            RegistrationEnv,
+            RegistrationOptions,
+        )
+
+        renv = RegistrationEnv(RegistrationOptions(command=target, request_timeout=timeout))
+        return renv, lambda log: RegistrationCtx(renv.options, log)
     from .cli import parse_prefill
     from .suites.pair_env import PairCtx, PairEnv, PairOptions
 

@@ -115,6 +115,7 @@ class Testbed:
     key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
     mutant_control: bool = False
     proxy_mutant: str = ""  # the proxy suite starts the reference proxy with this defect
+    p_command_mutant: str = ""  # the registration suite starts each reference P with this one
 
     @property
     def auth_key(self) -> bytes | None:
@@ -131,6 +132,7 @@ class Testbed:
         processes); ``mutant`` goes to the node of ``role``."""
         self.mutant_control = mutant_control
         self.proxy_mutant = mutant if role == "proxy" else ""
+        self.p_command_mutant = mutant if role == "prefill" else ""
         if self.layout.keyed and not self.key_file:
             fd, self.key_file = tempfile.mkstemp(prefix="pdwire-conformance-", suffix=".key")
             with os.fdopen(fd, "wb") as f:
@@ -221,6 +223,11 @@ async def run_suites(
 
         proxyopts = reference_options(bed.proxy_mutant, timeout)
         results += await run_proxy(proxyopts, cases, options, on_result)
+    if Suite.REGISTRATION in wanted:
+        from .suites import registration_env
+
+        regopts = registration_env.reference_options(bed.p_command_mutant, timeout)
+        results += await registration_env.run_registration(regopts, cases, options, on_result)
     return results
 
 

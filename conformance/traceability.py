@@ -16,9 +16,9 @@ from .requirements import Level, Requirement, catalogue
 #: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
 #: when a case covers it (a test fails on a stale entry).
 _DEPLOYMENT = (
-    "how a vLLM deployment is configured and started (which worker serves the bootstrap server, "
-    "and where workers register): not visible on the wire of an engine the harness meets "
-    "after its start-up"
+    "how an engine without an external bootstrap address chooses who serves the bootstrap "
+    "server, where, and which DP rank a worker registers: it follows from a multi-node or "
+    "data-parallel deployment that the registration suite's single P on loopback does not have"
 )
 _IN_FLIGHT = (
     "the order of a write in flight and a timer or cancel inside P: a black box shows no moment "
@@ -33,10 +33,6 @@ _GEOMETRY = (
 _RESTART = (
     "an engine re-registering its KV caches (a restart, or sleep and wake): the harness does not "
     "start, stop or put to sleep the engine under test"
-)
-_REGISTRATION = (
-    "how a P worker registers at start-up (timeouts, attempts, backoff): the harness meets P "
-    "after it registered; tests/integration/test_bootstrap.py checks pdwire's client"
 )
 UNCOVERED: Final[dict[str, str]] = {
     "2.1-R4": "whether a sender's list was empty or nil is the sender's own value: both decode "
@@ -53,14 +49,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "3.7-R16": _RESTART,
     "4.1-R12": "each worker's own registration reaches only the bootstrap server; the harness "
     "sees the merged /query entry (the server's check of it, 4.1-R14, has cases)",
-    "4.4-R1": _REGISTRATION,
-    "4.4-R2": _REGISTRATION,
-    "4.4-R3": _REGISTRATION,
-    "4.4-R4": _REGISTRATION,
-    "4.4-R5": _REGISTRATION,
-    "4.4-R6": _REGISTRATION,
-    "4.4-R11": _DEPLOYMENT,
-    "4.4-R12": _DEPLOYMENT,
     "4.4-R13": _DEPLOYMENT,
     "4.4-R14": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,

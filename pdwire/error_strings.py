@@ -79,3 +79,6 @@ WORKER_ALREADY_REGISTERED: Final = (
     "Worker with dp_rank={dp_rank}, tp_rank={tp_rank}, pp_rank={pp_rank} is already registered "
     "at {registered_addr}, but still want to register at {addr}"
 )
+
+# -- configuration of where P workers register (4.4-R12) -------------------------------------------
+BOOTSTRAP_ADDRESS_INVALID: Final = "bootstrap_server_address must specify a host and port"

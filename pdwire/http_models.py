@@ -13,7 +13,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError
 
-from . import sections
+from . import error_strings, sections
 from .errors import DecodeError
 from .messages import V2, Fingerprint
 
@@ -24,6 +24,21 @@ MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
 #: What ``addr`` must look like (§4.1): a ZMQ TCP endpoint with a host and a port.
 WORKER_ADDR: Final = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host`` and ``port`` of a bootstrap server address ``host:port`` (``[v6]:port`` too;
+    4.4-R12); ``ValueError`` naming the rule when either is missing."""
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{error_strings.BOOTSTRAP_ADDRESS_INVALID}: {address!r} (spec §4.4)")
+    return host, int(port)
+
+
+def url_of(host: str, port: int) -> str:
+    """The base URL of the bootstrap server at ``host``:``port``."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class _Model(BaseModel):

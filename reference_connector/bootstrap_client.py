@@ -9,7 +9,14 @@ from typing import Any, TypeVar
 import httpx
 
 from pdwire.errors import DecodeError
-from pdwire.http_models import QueryResponse, RegisterReply, RegisterWorkerPayload, decode_json
+from pdwire.http_models import (
+    QueryResponse,
+    RegisterReply,
+    RegisterWorkerPayload,
+    decode_json,
+    split_host_port,
+    url_of,
+)
 
 from .bootstrap import register_tag
 
@@ -26,6 +33,12 @@ class BootstrapError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.detail = detail or message
+
+
+def external_url(address: str) -> str:
+    """The URL of the external bootstrap server at ``address`` (``host:port``, or a URL of
+    one); ``ValueError`` when it lacks a host or a port (4.4-R12)."""
+    return url_of(*split_host_port(address.removeprefix("http://").rstrip("/")))
 
 
 def signed_body(payload: RegisterWorkerPayload, auth_key: bytes | None) -> dict[str, Any]:

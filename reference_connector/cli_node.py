@@ -38,15 +38,25 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument(
         "--bootstrap",
-        metavar="URL",
-        help="prefill: the bootstrap server to register at; without it the node serves one "
-        "on --bootstrap-port",
+        metavar="ADDRESS",
+        help="prefill: the bootstrap server every worker registers at, host:port or "
+        "http://host:port (vLLM's bootstrap_server_address); without it the node serves one on "
+        "--bootstrap-port",
     )
     p.add_argument(
         "--bootstrap-port",
         type=int,
-        default=DEFAULT_BOOTSTRAP_PORT,
-        help=f"prefill: port of the node's own bootstrap server (default {DEFAULT_BOOTSTRAP_PORT})",
+        default=int(os.environ.get("VLLM_MOONCAKE_BOOTSTRAP_PORT", DEFAULT_BOOTSTRAP_PORT)),
+        help="prefill: port of the node's own bootstrap server (default "
+        f"$VLLM_MOONCAKE_BOOTSTRAP_PORT or {DEFAULT_BOOTSTRAP_PORT})",
+    )
+    p.add_argument(
+        "--register-timeout",
+        type=float,
+        default=float(os.environ.get("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", 30)),
+        metavar="S",
+        help="prefill: the bound on each HTTP phase of each registration attempt (4.4-R1); "
+        "default $VLLM_MOONCAKE_CONNECTOR_TIMEOUT or 30",
     )
     p.add_argument("--engine-id", default="", help="the engine id (default: a random one)")
     p.add_argument("--profile", choices=(LEGACY, PDWIRE_2), default=PDWIRE_2)
@@ -156,6 +166,14 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"pdwire node: {exc}", file=sys.stderr)
             return 2
+    if args.bootstrap:  # checked before the node's modules load: a bad address fails at once
+        from . import bootstrap_client
+
+        try:
+            args.bootstrap = bootstrap_client.external_url(args.bootstrap)
+        except ValueError as exc:
+            print(f"pdwire node: {exc}", file=sys.stderr)
+            return 2
 
     def start() -> NodeServer:
         shape = KVShape(
@@ -175,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             bootstrap_url=args.bootstrap,
             bootstrap_port=args.bootstrap_port,
+            register_timeout=args.register_timeout,
             engine_id=args.engine_id,
             profile=LEGACY if args.profile == LEGACY else PDWIRE_2,
             load_failure_policy=policy,

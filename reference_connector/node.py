@@ -68,6 +68,7 @@ class NodeConfig:
     host: str = "127.0.0.1"
     bootstrap_url: str | None = None  # prefill: where workers register (None: serve one here)
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # ... on this port (0: any free one)
+    register_timeout: float = 30.0  # each HTTP phase of a registration attempt (4.4-R1)
     engine_id: str = ""  # "" = a random one
     profile: Profile = PDWIRE_2
     load_failure_policy: Policy = "fail"
@@ -183,6 +184,7 @@ class NodeEngine:
                     pp_rank=pp,
                     engine_id=self.engine_id,
                     bootstrap_url=self.bootstrap_url,
+                    register_timeout=c.register_timeout,
                     host=c.host,
                     profile=c.profile,
                     model=c.model,

@@ -58,6 +58,7 @@ class WorkerSpec:
     engine_id: str
     bootstrap_url: str
     host: str = "127.0.0.1"
+    register_timeout: float = 30.0  # each HTTP phase of a registration attempt (4.4-R1)
     profile: Profile = PDWIRE_2
     model: str = "pdwire-synthetic"
     start_timeout: float = 120.0

@@ -145,6 +145,12 @@ class ProducerAgent:
             raise
 
     async def _open(self) -> None:
+        self._bind()
+        await self._register()
+        # 4.4-R6: pulls are served only once registered; earlier ones wait in the socket.
+        self._serve()
+
+    def _bind(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -156,6 +162,8 @@ class ProducerAgent:
         except zmq.ZMQError as exc:
             raise AgentStartError(f"cannot bind the side channel on tcp://{host}: {exc}") from exc
         self._address = f"tcp://{host}:{port}"
+
+    async def _register(self) -> None:
         try:
             await bootstrap_client.register(
                 self._bootstrap_url,
@@ -168,7 +176,8 @@ class ProducerAgent:
                 f"P worker {self._describe()} at {self._address} could not register at the "
                 f"bootstrap server {self._bootstrap_url}: {exc}"
             ) from exc
-        # 4.4-R6: pulls are served only once registered; earlier ones wait in the socket.
+
+    def _serve(self) -> None:
         self._receiver = asyncio.create_task(self._receive(), name=f"receive {self._address}")
         logger.info("P worker %s serving at %s", self._describe(), self._address)
 

@@ -152,6 +152,7 @@ class ReferenceAgent:
                     tp_rank=s.tp_rank,
                     pp_rank=s.pp_rank,
                     host=s.host,
+                    register_timeout=s.register_timeout,
                 )
                 self.producer.start(timeout=s.start_timeout)
             else:

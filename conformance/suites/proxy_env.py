@@ -15,19 +15,17 @@ import dataclasses
 import json
 import os
 import shlex
-import signal
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Final
 
 import httpx
 
 from ..case import Case, CaseFailed, Suite, WireLog, expect
+from ..command import TemplateProcess, check, fill
 from ..peers.backends import MODEL, FakeAPI, FakeBootstrap, Hit
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
@@ -38,7 +36,6 @@ PLACEHOLDERS: Final = (
     "python", "host", "port", "prefill_url", "prefill_host", "prefill_port", "bootstrap_url",
     "bootstrap_port", "decode_url", "decode_host", "decode_port", "api_key",
 )  # fmt: skip
-STOP_S: Final = 5.0  # from SIGTERM to SIGKILL
 LEG_WAIT_S: Final = 3.0  # how long a leg may lag behind the client's answer
 
 
@@ -53,15 +50,7 @@ class ProxyOptions:
 
 def check_template(template: str) -> None:
     """``ValueError`` unless ``template`` is a command line using only known placeholders."""
-    fill(template, {k: "x" for k in PLACEHOLDERS})
-
-
-def fill(template: str, values: dict[str, str]) -> list[str]:
-    try:
-        return [arg.format_map(values) for arg in shlex.split(template)]
-    except (KeyError, ValueError, IndexError) as exc:
-        known = ", ".join("{" + k + "}" for k in PLACEHOLDERS)
-        raise ValueError(f"bad proxy command template {template!r} ({exc}); use {known}") from exc
+    check(template, PLACEHOLDERS, "proxy")
 
 
 #: The reference proxy (``pdwire proxy``), as ``pdwire conformance self`` starts it.
@@ -81,60 +70,6 @@ def reference_options(
         key_command=f"{REFERENCE_COMMAND} --api-key-env {KEY_ENV}{extra}",
         request_timeout=request_timeout,
     )
-
-
-class ProxyProcess:
-    """The proxy under test, started from its command template; its output goes to a log file."""
-
-    def __init__(self, args: list[str], url: str, env: dict[str, str], log: WireLog) -> None:
-        self.args, self.url, self.env, self.log = args, url, env, log
-        self.process: asyncio.subprocess.Process | None = None
-        fd, name = tempfile.mkstemp(prefix="pdwire-proxy-", suffix=".log")
-        os.close(fd)
-        self.log_path = Path(name)
-
-    async def start(self, timeout: float) -> None:
-        """Start it and wait until its port accepts connections."""
-        self.log.note("starting the proxy", shlex.join(self.args))
-        with self.log_path.open("wb") as out:
-            self.process = await asyncio.create_subprocess_exec(
-                *self.args, stdout=out, stderr=out, env=self.env, start_new_session=True
-            )
-        host, port = self.url.removeprefix("http://").rsplit(":", 1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.returncode is not None:
-                raise RuntimeError(
-                    f"the proxy exited with {self.process.returncode}: {self.tail()}"
-                )
-            try:
-                _, writer = await asyncio.open_connection(host, int(port))
-            except OSError:
-                await asyncio.sleep(0.05)
-                continue
-            writer.close()
-            self.log.note(f"the proxy listens at {self.url}")
-            return
-        raise RuntimeError(
-            f"the proxy did not listen at {self.url} within {timeout}s: {self.tail()}"
-        )
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    async def stop(self) -> None:
-        p = self.process
-        if p is not None and p.returncode is None:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(p.wait(), STOP_S)
-            except TimeoutError:
-                os.killpg(p.pid, signal.SIGKILL)
-                await p.wait()
-        self.log_path.unlink(missing_ok=True)
 
 
 @dataclasses.dataclass
@@ -164,12 +99,8 @@ class World:
     p: FakeAPI
     bootstrap: FakeBootstrap
     d: FakeAPI
-    proxy: ProxyProcess | None = None
-
-    @property
-    def url(self) -> str:
-        assert self.proxy is not None
-        return self.proxy.url
+    proxy: TemplateProcess | None = None
+    url: str = ""  # the proxy's
 
     def set_log(self, log: WireLog) -> None:
         for b in (self.p, self.bootstrap, self.d):
@@ -248,9 +179,11 @@ async def start_proxy(
     if not bootstrap_given:
         values["bootstrap_port"] = "none"
     env = {**os.environ, **({KEY_ENV: key} if key else {})}
-    world.proxy = ProxyProcess(fill(template, values), f"http://127.0.0.1:{port}", env, log)
+    world.url = f"http://127.0.0.1:{port}"
+    world.proxy = TemplateProcess("proxy", fill(template, values, "proxy"), env, log)
     try:
-        await world.proxy.start(options.start_timeout)
+        await world.proxy.spawn()
+        await world.proxy.wait_listening(world.url, options.start_timeout)
     except BaseException:
         await world.proxy.stop()
         raise

@@ -45,6 +45,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Final
 
+from pdwire import http_models
 from pdwire.auth import read_key_file
 from pdwire.consumer import LOAD_DEADLINE
 from pdwire.errors import LocalProtocolError
@@ -103,17 +104,10 @@ def _text(extra: Mapping[str, Any], key: str, default: str) -> str:
 
 def split_host_port(address: str) -> tuple[str, int]:
     """``host:port`` (``[v6]:port`` too) of ``bootstrap_server_address``."""
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(
-            f"kv_connector_extra_config.bootstrap_server_address must be host:port: {address!r}"
-        )
-    return host, int(port)
-
-
-def url_of(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    try:
+        return http_models.split_host_port(address)
+    except ValueError as exc:
+        raise ConfigError(f"kv_connector_extra_config.{exc}") from None
 
 
 def _auth_key(extra: Mapping[str, Any], profile: Profile) -> bytes | None:

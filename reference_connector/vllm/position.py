@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Final
 
+from pdwire.http_models import url_of
 from pdwire.messages import Fingerprint
 
-from .config import Settings, url_of
+from .config import Settings
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from pdwire.http_models import url_of
 from reference_connector.vllm import config
 from reference_connector.vllm.config import ConfigError, Settings
 
@@ -62,7 +63,7 @@ def test_keys_set_the_sessions_and_agents() -> None:
     assert s.bootstrap_address == ("10.0.0.5", 8998)
     assert (s.deadline, s.bootstrap_timeout, s.num_workers) == (12.5, 3.0, 2)
     assert config.split_host_port("[::1]:80") == ("::1", 80)
-    assert config.url_of("::1", 80) == "http://[::1]:80"
+    assert url_of("::1", 80) == "http://[::1]:80"
 
 
 @pytest.mark.parametrize(

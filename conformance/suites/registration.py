@@ -1,0 +1,301 @@
+"""Registration cases: how a P's workers register at the bootstrap server, and where (§4.4).
+Each case starts a P of its own against a scripted bootstrap server that lets every attempt
+time out, refuses it, or accepts it late."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from typing import Final
+
+import zmq
+import zmq.asyncio
+
+from pdwire import error_strings
+
+from ..case import CaseFailed, case, expect
+from ..peers.registrar import Attempt, Script
+from .registration_env import Deployment, RegistrationCtx
+
+#: How late P's own timers may fire, as the harness sees them, on a loaded machine.
+SLACK_S: Final = 1.5
+#: How much earlier than P's backoff the next attempt may be seen (the harness sees P's close a
+#: moment after P made it).
+EARLY_S: Final = 0.1
+BACKOFFS: Final = (1.0, 2.0)  # before the second and the third attempt (4.4-R4)
+#: How long after P's last attempt its failure message may take to reach its output.
+MESSAGE_WAIT_S: Final = 5.0
+Worker = tuple[int, int, int]
+
+
+def _by_worker(attempts: list[Attempt]) -> dict[Worker, list[Attempt]]:
+    out: dict[Worker, list[Attempt]] = {}
+    for a in attempts:
+        if a.worker is None:
+            raise CaseFailed(f"P sent a registration whose body names no ranks: {a.body!r}")
+        out.setdefault(a.worker, []).append(a)
+    return out
+
+
+async def _first_registration(t: RegistrationCtx, p: Deployment) -> None:
+    arrived = await p.registrar.wait(
+        lambda: (
+            any(a.arrived for a in p.registrar.registrations()) or p.process.returncode is not None
+        ),
+        t.options.start_timeout,
+    )
+    expect(
+        bool(p.registrar.registrations()),
+        f"P made no registration at {p.registrar.url} "
+        + ("within its start bound" if not arrived else f"and exited: {p.process.tail()}"),
+    )
+
+
+def _failure_message(p: Deployment) -> re.Pattern[str]:
+    return re.compile(
+        r"Failed to register .+ with the Mooncake bootstrap server at \S*"
+        + re.escape(p.registrar.host_port)
+        + r"\S* after 3 attempts\."
+    )
+
+
+def _unbounded(attempts: list[Attempt], bound: float) -> str:
+    """What breaks 4.4-R1: an attempt left open longer than ``bound`` after its request."""
+    now = time.monotonic()
+    for i, a in enumerate(attempts, 1):
+        waited = (a.closed or now) - (a.arrived or now)
+        if waited > bound:
+            return f"registration attempt {i} of worker {a.worker} waited {waited:.2f}s"
+    return ""
+
+
+@case(
+    "registration/4.4/1",
+    "4.4-R2",
+    covers=("4.4-R1", "4.4-R4", "4.4-R5"),
+    timeout=90.0,
+    caught_by=(
+        "register-four-attempts",
+        "register-no-backoff",
+        "register-unbounded-attempt",
+        "register-vague-failure",
+    ),
+)
+async def attempts_time_out(t: RegistrationCtx) -> None:
+    """A registration whose every attempt times out: each attempt is bounded by
+    VLLM_MOONCAKE_CONNECTOR_TIMEOUT, a worker makes three, 1 s and 2 s apart, then fails
+    with 4.4-R5's message."""
+    p = await t.deploy(Script("stall"), attempt_timeout=t.options.attempt_timeout)
+    await _first_registration(t, p)
+    timeout = t.options.attempt_timeout
+    bound = timeout + SLACK_S
+    message = _failure_message(p)
+    # The whole sequence: three bounded attempts and both backoffs, then the message.
+    settle = 3 * bound + sum(BACKOFFS) + 2 * SLACK_S + MESSAGE_WAIT_S
+
+    def settled() -> bool:
+        attempts = p.registrar.registrations()
+        by_worker = _by_worker(attempts)
+        return (
+            bool(_unbounded(attempts, bound))
+            or any(len(mine) > 3 for mine in by_worker.values())
+            or bool(message.search(p.output()))
+            or p.process.returncode is not None
+        )
+
+    await p.registrar.wait(settled, settle)
+    # the other workers' last attempts, which end about when the first worker's do
+    await p.registrar.wait(
+        lambda: all(a.closed for a in p.registrar.registrations()), bound + SLACK_S
+    )
+    attempts = p.registrar.registrations()
+    unbounded = _unbounded(attempts, bound)
+    expect(not unbounded, f"4.4-R1: {unbounded}, longer than the {timeout}s bound")
+    for worker, mine in sorted(_by_worker(attempts).items()):
+        expect(
+            len(mine) == 3,
+            f"4.4-R2: worker {worker} made {len(mine)} registration attempts, not 3, each of "
+            f"which timed out",
+        )
+        for i, wait in enumerate(BACKOFFS):
+            closed = mine[i].closed
+            expect(closed is not None, f"worker {worker}'s attempt {i + 1} never ended")
+            assert closed is not None
+            gap = mine[i + 1].opened - closed
+            expect(
+                wait - EARLY_S <= gap <= wait + SLACK_S,
+                f"4.4-R4: worker {worker} made attempt {i + 2} {gap:.2f}s after attempt "
+                f"{i + 1} timed out, not {wait:.0f}s",
+            )
+    if not message.search(p.output()):
+        await p.registrar.wait(lambda: bool(message.search(p.output())), MESSAGE_WAIT_S)
+    expect(
+        bool(message.search(p.output())),
+        f"4.4-R5: P's output has no {message.pattern!r} after its attempts were exhausted; "
+        f"its last lines:\n{p.process.tail()}",
+    )
+
+
+@case(
+    "registration/4.4/2",
+    "4.4-R3",
+    timeout=90.0,
+    caught_by=("register-retries-http-error",),
+)
+async def http_error_is_not_retried(t: RegistrationCtx) -> None:
+    """A registration refused with HTTP 400 ends at once: the worker makes no second attempt."""
+    p = await t.deploy(Script("reject", status=400))
+    await _first_registration(t, p)
+    # every worker's first attempt, then longer than the first backoff for a second one
+    await asyncio.sleep(BACKOFFS[0] + 2 * SLACK_S)
+    for worker, mine in sorted(_by_worker(p.registrar.registrations()).items()):
+        expect(
+            len(mine) == 1,
+            f"worker {worker} registered again {mine[1].opened - mine[0].closed:.2f}s "
+            f"after HTTP 400 ({len(mine)} attempts)"
+            if len(mine) > 1 and mine[0].closed is not None
+            else f"worker {worker} made {len(mine)} attempts after HTTP 400",
+        )
+
+
+async def _probe(ctx: zmq.asyncio.Context, addr: str, timeout: float) -> float | None:
+    """Send a malformed message to ``addr``; when (monotonic) its first reply came, if any."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(addr)
+        await sock.send(b"\xc1 not a pull")
+        try:
+            await asyncio.wait_for(sock.recv_multipart(), timeout)
+        except TimeoutError:
+            return None
+        return time.monotonic()
+    finally:
+        sock.close(linger=0)
+
+
+HOLD_S: Final = 1.5  # how long the server holds each registration's 200
+
+
+@case(
+    "registration/4.4/3",
+    "4.4-R6",
+    timeout=90.0,
+    caught_by=("serves-before-registered",),
+)
+async def no_service_before_registration(t: RegistrationCtx) -> None:
+    """A P worker serves nothing before its registration succeeded: a malformed message sent
+    while its registration waits for the server's answer is answered (ERROR, 2.4-R1) only
+    after the server's HTTP 200."""
+    p = await t.deploy(Script("accept", hold=HOLD_S))
+    await _first_registration(t, p)
+    ctx = zmq.asyncio.Context()
+    probes: dict[int, asyncio.Task[float | None]] = {}
+    reply_wait = HOLD_S + t.options.request_timeout
+    try:
+        # each registration gets a probe as it arrives, until none arrived for HOLD_S
+        while True:
+            attempts = p.registrar.registrations()
+            for i, a in enumerate(attempts):
+                if i not in probes and a.addr is not None and a.arrived is not None:
+                    t.log.sent(f"zmq {a.addr}", "a malformed message, while P registers")
+                    probes[i] = asyncio.create_task(_probe(ctx, a.addr, reply_wait))
+            last = max(a.arrived or a.opened for a in attempts)
+            seen = len(attempts)
+            if not await p.registrar.wait(
+                lambda: len(p.registrar.registrations()) > seen,  # noqa: B023 (awaited here)
+                last + HOLD_S - time.monotonic(),
+            ):
+                break
+        attempts = p.registrar.registrations()
+        for i, task in probes.items():
+            replied = await task
+            a = attempts[i]
+            expect(
+                replied is not None,
+                f"P worker {a.worker} at {a.addr} never answered a malformed message (2.4-R1) "
+                f"after its registration succeeded",
+            )
+            assert replied is not None and a.answered is not None
+            expect(
+                replied >= a.answered,
+                f"P worker {a.worker} at {a.addr} answered {a.answered - replied:.2f}s before "
+                f"its registration succeeded",
+            )
+    finally:
+        for task in probes.values():
+            task.cancel()
+        ctx.destroy(linger=0)
+
+
+@case(
+    "registration/4.4/4",
+    "4.4-R12",
+    covers=("4.4-R11",),
+    timeout=90.0,
+    caught_by=("only-rank0-registers", "external-bootstrap-served-too"),
+)
+async def every_worker_registers_at_the_external_server(t: RegistrationCtx) -> None:
+    """With an external bootstrap server, every P worker registers there, and P starts no
+    bootstrap server of its own."""
+    p = await t.deploy(Script("accept"))
+    await _first_registration(t, p)
+    deadline = time.monotonic() + t.options.start_timeout
+    while not await p.healthy():
+        expect(p.process.returncode is None, f"P exited: {p.process.tail()}")
+        expect(time.monotonic() < deadline, "P did not answer /health within its start bound")
+        await asyncio.sleep(0.2)  # polling P's /health: nothing to await
+    registered = {a.worker for a in p.registrar.registrations() if a.answered}
+    sizes = _sizes(t, p)
+    expected = {(tp, pp) for tp in range(sizes[0]) for pp in range(sizes[1])}
+    seen = {(w[1], w[2]) for w in registered if w is not None}
+    missing = sorted(expected - seen)
+    expect(
+        not missing,
+        f"P answers /health but its workers (tp_rank, pp_rank) {missing} never registered at "
+        f"the external bootstrap server (registered: {sorted(seen)})",
+    )
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", p.own_bootstrap_port)
+    except OSError:
+        return
+    writer.close()
+    raise CaseFailed(
+        f"P serves on VLLM_MOONCAKE_BOOTSTRAP_PORT {p.own_bootstrap_port} although its "
+        f"workers register at the external server {p.registrar.url}"
+    )
+
+
+def _sizes(t: RegistrationCtx, p: Deployment) -> tuple[int, int]:
+    """P's TP and PP sizes: as its registrations announce them (pdwire/2), else as the run
+    was told, else 1."""
+    for a in p.registrar.registrations():
+        body = a.body if isinstance(a.body, dict) else {}
+        tp, pp = body.get("tp_size"), body.get("pp_size")
+        if isinstance(tp, int) and isinstance(pp, int):
+            return tp, pp
+    return t.options.tp or 1, t.options.pp or 1
+
+
+@case(
+    "registration/4.4/5",
+    "4.4-R12",
+    timeout=90.0,
+    caught_by=("bootstrap-address-unchecked",),
+)
+async def address_without_port_is_refused(t: RegistrationCtx) -> None:
+    """An external bootstrap address without a port is a configuration error that names
+    itself: P does not start."""
+    p = await t.deploy(Script("accept"), with_port=False)
+    wanted = error_strings.BOOTSTRAP_ADDRESS_INVALID
+    exited = await p.registrar.wait(
+        lambda: wanted in p.output() or p.process.returncode is not None,
+        t.options.start_timeout,
+    )
+    expect(
+        wanted in p.output(),
+        f"P given the bootstrap address {'127.0.0.1'!r} "
+        + ("exited" if exited else "kept starting")
+        + f" without the error {wanted!r}; its last lines:\n{p.process.tail()}",
+    )

@@ -1,0 +1,165 @@
+"""The registration suite's world: the harness is P's deployment and its bootstrap server; the
+testee is a P, started for each case from a command template pointed at a scripted bootstrap
+server (``peers.registrar``), which checks how P's workers register (§4.4).
+
+P is told where to register with ``{bootstrap_address}`` (``host:port``, vLLM's
+``bootstrap_server_address``) or ``{bootstrap_url}``; its environment carries
+``VLLM_MOONCAKE_CONNECTOR_TIMEOUT`` (the bound on each attempt) and
+``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (where P would serve a bootstrap server of its own, which it must
+not, 4.4-R11). The cases of the suite are independent, each with its own P and server, and run
+side by side: most of a case is waiting for P to start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Final
+
+import httpx
+
+from ..case import Case, Suite, WireLog
+from ..command import TemplateProcess, check, fill
+from ..peers.registrar import Registrar, Script
+from ..ports import free_port
+from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_case
+
+PLACEHOLDERS: Final = (
+    "python", "port", "bootstrap_address", "bootstrap_url", "bootstrap_host", "bootstrap_port",
+)  # fmt: skip
+#: What ``{bootstrap_address}`` is in the case of an address without a port (4.4-R12).
+PORTLESS_HOST: Final = "127.0.0.1"
+#: P's VLLM_MOONCAKE_CONNECTOR_TIMEOUT in the cases that do not time its attempts: long enough
+#: that a registration answered (or held, 4.4-R6) is never given up on a loaded machine.
+RELAXED_TIMEOUT: Final = 10.0
+#: The reference P (``pdwire node``) of TP 2, as ``pdwire conformance self`` starts it.
+REFERENCE_COMMAND: Final = (
+    "{python} -m pdwire node --role prefill --port {port} --tp 2 --bootstrap "
+    "{bootstrap_address} --layers 4 --kv-heads 4 --head-dim 16 --block-size 4 --num-blocks 16"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistrationOptions:
+    command: str  # the template that starts P
+    attempt_timeout: float = 1.0  # P's VLLM_MOONCAKE_CONNECTOR_TIMEOUT where attempts time out
+    start_timeout: float = 60.0  # from P's start to its first registration, or to its health
+    tp: int | None = None  # P's sizes, when its registrations do not carry them (legacy)
+    pp: int | None = None
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+
+
+def check_template(template: str) -> None:
+    """``ValueError`` unless ``template`` is a command line using only known placeholders."""
+    check(template, PLACEHOLDERS, "P")
+
+
+def reference_options(
+    mutant: str = "", request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+) -> RegistrationOptions:
+    """The reference P, with ``mutant`` when one is given."""
+    extra = f" --mutant {mutant}" if mutant else ""
+    return RegistrationOptions(REFERENCE_COMMAND + extra, request_timeout=request_timeout)
+
+
+@dataclasses.dataclass
+class Deployment:
+    """One P started for a case, and the bootstrap server it registers at."""
+
+    registrar: Registrar
+    process: TemplateProcess
+    api: str  # P's API, whose /health says it started
+    own_bootstrap_port: int  # VLLM_MOONCAKE_BOOTSTRAP_PORT: where P must not serve (4.4-R11)
+
+    def output(self) -> str:
+        return self.process.output()
+
+    async def healthy(self) -> bool:
+        try:
+            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+                return (await http.get(f"{self.api}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def close(self) -> None:
+        await self.process.stop()
+        await self.registrar.stop()
+
+
+class RegistrationCtx:
+    """What a registration case works with: ``deploy`` starts its P."""
+
+    def __init__(self, options: RegistrationOptions, log: WireLog) -> None:
+        self.options = options
+        self.log = log
+        self._deployments: list[Deployment] = []
+
+    async def deploy(
+        self, script: Script, *, attempt_timeout: float = RELAXED_TIMEOUT, with_port: bool = True
+    ) -> Deployment:
+        """A scripted bootstrap server and P, started from the template pointed at it, with
+        ``attempt_timeout`` as its VLLM_MOONCAKE_CONNECTOR_TIMEOUT; ``with_port`` False gives
+        P an address without a port (4.4-R12)."""
+        registrar = Registrar(script, self.log)
+        await registrar.start()
+        port, own = free_port(), free_port()
+        address = registrar.host_port if with_port else PORTLESS_HOST
+        values = {
+            "python": sys.executable,
+            "port": str(port),
+            "bootstrap_address": address,
+            "bootstrap_url": f"http://{address}",
+            "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": str(registrar.port) if with_port else "",
+        }
+        env = {
+            **os.environ,
+            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
+            "VLLM_MOONCAKE_CONNECTOR_TIMEOUT": str(attempt_timeout),
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(own),
+        }
+        process = TemplateProcess("P", fill(self.options.command, values, "P"), env, self.log)
+        deployment = Deployment(registrar, process, f"http://127.0.0.1:{port}", own)
+        self._deployments.append(deployment)
+        await process.spawn()
+        return deployment
+
+    async def close(self) -> None:
+        await asyncio.gather(*(d.close() for d in self._deployments))
+        self._deployments.clear()
+
+
+class RegistrationEnv:
+    """The suite's shared world: none, since each case starts a P and a server of its own."""
+
+    def __init__(self, options: RegistrationOptions) -> None:
+        check_template(options.command)
+        self.options = options
+
+    async def open(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+
+async def run_registration(
+    options: RegistrationOptions,
+    cases: Sequence[Case],
+    run_options: RunOptions,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """The registration cases of ``cases``, side by side; results in the cases' order."""
+    env = RegistrationEnv(options)
+    chosen = [c for c in cases if c.suite is Suite.REGISTRATION]
+
+    async def one(c: Case) -> Result:
+        result = await run_case(c, lambda log: RegistrationCtx(env.options, log), run_options)
+        if on_result is not None:
+            on_result(result)
+        return result
+
+    return list(await asyncio.gather(*(one(c) for c in chosen)))

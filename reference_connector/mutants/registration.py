@@ -1,0 +1,150 @@
+"""Mutants of how a P worker registers and where (§4.4), caught by the registration suite. That
+suite starts a P for each case, so each mutant is applied at start-up (``at_start``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pdwire.http_models import RegisterReply, RegisterWorkerPayload
+
+from .. import bootstrap_client
+from ..bootstrap_client import BootstrapError
+from ..producer_agent import ProducerAgent
+from . import mutant, replace
+
+
+def _register_with(**forced: Any) -> None:
+    """Every registration made with ``forced`` in place of the caller's keyword arguments."""
+    original = bootstrap_client.register
+
+    async def register(url: str, payload: RegisterWorkerPayload, **kw: Any) -> RegisterReply:
+        return await original(url, payload, **{**kw, **forced})
+
+    replace(bootstrap_client, "register", register)
+
+
+@mutant("register-four-attempts", "prefill", "makes a fourth registration attempt", at_start=True)
+def _register_four_attempts() -> None:
+    _register_with(attempts=4)
+
+
+@mutant("register-no-backoff", "prefill", "retries a registration at once", at_start=True)
+def _register_no_backoff() -> None:
+    _register_with(backoff=0.0)
+
+
+@mutant(
+    "register-unbounded-attempt",
+    "prefill",
+    "waits for a registration answer without a timeout",
+    at_start=True,
+)
+def _register_unbounded_attempt() -> None:
+    _register_with(timeout=None)
+
+
+@mutant(
+    "register-vague-failure",
+    "prefill",
+    "fails an exhausted registration without 4.4-R5's message",
+    at_start=True,
+)
+def _register_vague_failure() -> None:
+    original = bootstrap_client.register
+
+    async def register(url: str, payload: RegisterWorkerPayload, **kw: Any) -> RegisterReply:
+        try:
+            return await original(url, payload, **kw)
+        except BootstrapError as exc:
+            if exc.status is not None:
+                raise
+            raise BootstrapError("registration failed") from None
+
+    replace(bootstrap_client, "register", register)
+
+
+@mutant(
+    "register-retries-http-error",
+    "prefill",
+    "retries a registration that the server answered with HTTP 400",
+    at_start=True,
+)
+def _register_retries_http_error() -> None:
+    original = bootstrap_client.register
+
+    async def register(url: str, payload: RegisterWorkerPayload, **kw: Any) -> RegisterReply:
+        wait = 1.0
+        for attempt in range(3):
+            try:
+                return await original(url, payload, **{**kw, "attempts": 1})
+            except BootstrapError:
+                if attempt == 2:
+                    raise
+                await asyncio.sleep(wait)
+                wait *= 2
+        raise AssertionError("unreachable")
+
+    replace(bootstrap_client, "register", register)
+
+
+@mutant(
+    "serves-before-registered",
+    "prefill",
+    "serves pulls while its registration is still under way",
+    at_start=True,
+)
+def _serves_before_registered() -> None:
+    async def _open(self: ProducerAgent) -> None:
+        self._bind()
+        self._serve()
+        await self._register()
+
+    replace(ProducerAgent, "_open", _open)
+
+
+@mutant(
+    "only-rank0-registers",
+    "prefill",
+    "only the worker of TP rank 0 and PP rank 0 registers",
+    at_start=True,
+)
+def _only_rank0_registers() -> None:
+    original = ProducerAgent._register
+
+    async def _register(self: ProducerAgent) -> None:
+        if self._ranks[1:] == (0, 0):
+            await original(self)
+
+    replace(ProducerAgent, "_register", _register)
+
+
+@mutant(
+    "external-bootstrap-served-too",
+    "prefill",
+    "starts its own bootstrap server although its workers register at an external one",
+    at_start=True,
+)
+def _external_bootstrap_served_too() -> None:
+    from .. import node  # loads torch, which listing the mutants does not need
+    from ..bootstrap import BootstrapServer
+
+    original = node.NodeEngine.start
+
+    def start(self: node.NodeEngine) -> None:
+        c = self.config
+        if c.role == "prefill" and self.bootstrap_url:
+            self._bootstrap = BootstrapServer(auth_key=c.auth_key).start(c.host, c.bootstrap_port)
+        original(self)
+
+    replace(node.NodeEngine, "start", start)
+
+
+@mutant(
+    "bootstrap-address-unchecked",
+    "prefill",
+    "takes an external bootstrap address without a port",
+    at_start=True,
+)
+def _bootstrap_address_unchecked() -> None:
+    replace(bootstrap_client, "external_url", lambda a: a if "://" in a else f"http://{a}")
