@@ -15,6 +15,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, assert_never
 
@@ -47,6 +48,8 @@ from .loop_thread import DeadlineTimer, LoopThread, run_callback
 from .transport import ENGINE_RAISED, OK, MooncakeTransport
 
 logger = logging.getLogger(__name__)
+#: A batch write that takes longer is logged: D is waiting on it.
+SLOW_WRITE_S = 5.0
 
 #: ``on_free(p_req_id, transfer_id, reason)``: P may free the request's blocks now.
 OnFree = Callable[[str, str, FreeReason], None]
@@ -338,11 +341,17 @@ class ProducerAgent:
         except RuntimeError:  # the executor is shut down: the agent is stopping
             logger.warning("%s: write %d not started: stopping", self._address, write.write_id)
             return
-        done.add_done_callback(functools.partial(self._write_done, write))
+        done.add_done_callback(functools.partial(self._write_done, write, time.monotonic()))
 
-    def _write_done(self, write: StartWrite, done: asyncio.Future[int]) -> None:
+    def _write_done(self, write: StartWrite, started: float, done: asyncio.Future[int]) -> None:
         if done.cancelled():
             return
+        took = time.monotonic() - started
+        if took > SLOW_WRITE_S:  # D waits on it: say which write, for whom
+            logger.warning(
+                "%s: write %d to %s for %s took %.1fs",
+                self._address, write.write_id, write.peer, write.d_req_ids, took,
+            )  # fmt: skip
         exc = done.exception()
         if exc is not None:
             logger.error("%s: write %d raised: %r", self._address, write.write_id, exc)
