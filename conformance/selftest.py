@@ -27,7 +27,6 @@ from .case import Case, Suite
 from .runner import Result, RunOptions
 
 RECEIVE_TIMEOUT = 3.0  # the reference D's receive timeout per pull
-GEOMETRY = Geometry(testees.LAYERS, testees.KV_HEADS, testees.HEAD_DIM, testees.BLOCK_SIZE)
 DECODE_FLAGS = ("--no-verify-kv", "--receive-timeout", str(RECEIVE_TIMEOUT))
 AUTH_SECTION = "8.6"
 #: The key the keyed testees share with the harness.
@@ -43,6 +42,11 @@ class Layout:
     prefill_tp: int = 2
     prefill_pp: int = 1
     decode_tp: int = 1
+    kv_heads: int = testees.KV_HEADS  # of the model: fewer than a TP size replicate the KV
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(testees.LAYERS, self.kv_heads, testees.HEAD_DIM, testees.BLOCK_SIZE)
 
 
 DEFAULT: Final = Layout()
@@ -51,8 +55,14 @@ KEYED: Final = Layout(keyed=True, prefill_tp=1)
 #: The testees of the cases that need a P of several PP stages or a D of TP 2: one layout for
 #: both, so that they share one start.
 PARALLEL: Final = Layout(prefill_tp=1, prefill_pp=2, decode_tp=2)
+#: The testees of the case of a P whose TP ranks replicate the KV (one KV head over TP 2).
+REPLICATED: Final = Layout(kv_heads=1)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
-LAYOUTS: Final[dict[str, Layout]] = {"producer/10.2/3": PARALLEL, "consumer/10.1/2": PARALLEL}
+LAYOUTS: Final[dict[str, Layout]] = {
+    "producer/10.2/3": PARALLEL,
+    "consumer/10.1/2": PARALLEL,
+    "producer/10.8/5": REPLICATED,
+}
 
 
 def layout_of(c: Case) -> Layout:
@@ -88,6 +98,7 @@ def start(
 ) -> testees.Testee:
     """A reference testee of ``layout``; with ``key_file``, sharing that key (§8.6)."""
     extra = ("--auth-key-file", key_file) if key_file else ()
+    geometry = testees.geometry(layout.kv_heads)
     if role == "prefill":
         return testees.start_node(
             role,
@@ -96,6 +107,7 @@ def start(
             mutant=mutant,
             mutant_control=mutant_control,
             extra=extra,
+            geometry=geometry,
         )
     return testees.start_node(
         role,
@@ -103,6 +115,7 @@ def start(
         mutant=mutant,
         mutant_control=mutant_control,
         extra=(*DECODE_FLAGS, *extra),
+        geometry=geometry,
     )
 
 
@@ -193,7 +206,7 @@ async def run_suites(
         popts = ProducerOptions(
             api=p.url,
             bootstrap=p.bootstrap,
-            geometry=GEOMETRY,
+            geometry=bed.layout.geometry,
             abort_timeout=testees.ABORT_TIMEOUT,
             request_timeout=timeout,
             auth_key=bed.auth_key,

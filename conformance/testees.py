@@ -24,9 +24,19 @@ from .ports import free_port
 Role = Literal["prefill", "decode"]
 MutantRole = Literal["prefill", "decode", "proxy"]  # a proxy mutant: ``pdwire proxy --mutant``
 
-#: The reference testees' KV geometry: small, so a run moves little memory.
-GEOMETRY: Final = ("--layers", "4", "--kv-heads", "4", "--head-dim", "16", "--block-size", "4")
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 16, 4
+
+
+def geometry(kv_heads: int = KV_HEADS) -> tuple[str, ...]:
+    """The reference testees' KV geometry (small, so a run moves little memory) as node flags,
+    with ``kv_heads`` KV heads."""
+    return (
+        "--layers", str(LAYERS), "--kv-heads", str(kv_heads), "--head-dim", str(HEAD_DIM),
+        "--block-size", str(BLOCK_SIZE),
+    )  # fmt: skip
+
+
+GEOMETRY: Final = geometry()
 #: The reference testees' VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT: short, so timer cases are quick.
 ABORT_TIMEOUT: Final = 2.0
 

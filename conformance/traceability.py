@@ -26,7 +26,7 @@ _IN_FLIGHT = (
     "and tests/unit/test_state_machines.py)"
 )
 _GEOMETRY = (
-    "a KV-cache geometry the testees here do not have (hybrid KV-cache manager, Mamba, MLA, "
+    "a KV-cache geometry the testees here do not have (hybrid KV-cache manager, Mamba, "
     "kernel blocks smaller than blocks, shared groups, packed rows): the harness can only check "
     "it against an engine that runs such a model"
 )
@@ -69,8 +69,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "10.6.6": _GEOMETRY,
     "10.6.7": _GEOMETRY,
     "10.7.8": _GEOMETRY,
-    "10.8.7": _GEOMETRY,
-    "10.8.8": _GEOMETRY,
     "10.8.14": _GEOMETRY,
     "10.10.7": _GEOMETRY,
     "10.10.8": "D sends a release-only request when its prefix cache holds the whole prompt or "

@@ -73,13 +73,21 @@ class KVShape:
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:
-        """Raise ValueError unless TP divides the KV heads and PP is at most the layers."""
-        if tp_size < 1 or self.num_kv_heads % tp_size:
-            raise ValueError(f"TP {tp_size} must divide the {self.num_kv_heads} KV heads")
+        """Raise ValueError unless TP divides the KV heads, or is a multiple of them (each head
+        then replicated over TP / heads ranks, as vLLM does), and PP is at most the layers."""
+        heads = self.num_kv_heads
+        if tp_size < 1 or (heads % tp_size if tp_size <= heads else tp_size % heads):
+            raise ValueError(
+                f"TP {tp_size} must divide the {heads} KV heads, or be a multiple of them"
+            )
         if pp_size < 1 or pp_size > self.num_layers:
             raise ValueError(f"PP {pp_size} must be between 1 and {self.num_layers} layers")
 
     def heads(self, tp_size: int, tp_rank: int) -> range:
+        """The KV heads TP rank ``tp_rank`` holds: its share, or the one head it replicates."""
+        if tp_size > self.num_kv_heads:
+            head = tp_rank // (tp_size // self.num_kv_heads)
+            return range(head, head + 1)
         per = self.num_kv_heads // tp_size
         return range(tp_rank * per, (tp_rank + 1) * per)
 

@@ -278,6 +278,48 @@ async def each_p_stage_serves_its_own_layers(t: ProducerCtx) -> None:
             worker.give_back(blocks)
 
 
+@case("producer/10.8/5", "10.8.7", covers=("10.8.8", "10.3.1"), caught_by=("replicas-all-write",))
+async def replicas_write_once(t: ProducerCtx) -> None:
+    """With P's KV replicated over its TP ranks (more ranks than KV heads), a D of TP 1 pulls
+    each P rank into blocks of their own: the first rank of each replica group writes every
+    region, the others answer the request in ok_reqs and write nothing."""
+    heads = t.geometry.num_kv_heads
+    if t.p_tp <= heads:
+        raise Unsupported(
+            f"P's {heads} KV heads over TP {t.p_tp} are not replicated: the case needs a P of "
+            "more TP ranks than KV heads"
+        )
+    replicas = t.p_tp // heads
+    prompt = t.prompt()
+    tid, d_req = t.new_transfer_id(), t.new_d_req()
+    t.expect_leg_ok(await t.start_prefill(tid, prompt=prompt))
+    [worker] = t.d_workers(1)
+    everything = set(region_keys(worker))
+    taken: list[list[int]] = []
+    try:
+        for p_rank in range(t.p_tp):
+            blocks = worker.take(t.blocks_for(len(prompt)))
+            taken.append(blocks)
+            addr = t.addr(p_rank)
+            t.expect_ok(worker, addr, await t.pull(worker, addr, {d_req: (tid, [blocks])}), d_req)
+            whole, part = written_regions(worker, blocks)
+            if p_rank % replicas == 0:
+                expect(
+                    whole == everything and not part,
+                    f"P rank {p_rank}, the first of its replica group, wrote {len(whole)} of "
+                    f"the {len(everything)} regions whole (in part: {sorted(part)})",
+                )
+            else:
+                expect(
+                    not whole and not part,
+                    f"P rank {p_rank} holds a replica of rank {p_rank - p_rank % replicas}'s KV "
+                    f"and wrote it again, into the regions {sorted(whole | part)}",
+                )
+    finally:
+        for blocks in taken:
+            worker.give_back(blocks)
+
+
 @case(
     "producer/10.3/2",
     "10.3.1",

@@ -112,13 +112,16 @@ async def attempts_time_out(t: RegistrationCtx) -> None:
     attempts = p.registrar.registrations()
     unbounded = _unbounded(attempts, bound)
     expect(not unbounded, f"4.4-R1: {unbounded}, longer than the {timeout}s bound")
-    for worker, mine in sorted(_by_worker(attempts).items()):
-        expect(
-            len(mine) == 3,
-            f"4.4-R2: worker {worker} made {len(mine)} registration attempts, not 3, each of "
-            f"which timed out",
-        )
-        for i, wait in enumerate(BACKOFFS):
+    by_worker = _by_worker(attempts)
+    # P fails its start with the first worker that gives up, which can cut the others short.
+    expect(
+        any(len(mine) == 3 for mine in by_worker.values()),
+        f"4.4-R2: no worker made 3 registration attempts, each of which timed out: "
+        f"{ {w: len(m) for w, m in sorted(by_worker.items())} }",
+    )
+    for worker, mine in sorted(by_worker.items()):
+        expect(len(mine) <= 3, f"4.4-R2: worker {worker} made {len(mine)} registration attempts")
+        for i, wait in enumerate(BACKOFFS[: len(mine) - 1]):
             closed = mine[i].closed
             expect(closed is not None, f"worker {worker}'s attempt {i + 1} never ended")
             assert closed is not None

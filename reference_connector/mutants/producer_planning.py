@@ -80,3 +80,17 @@ def _pp_aligns_exact() -> None:
         return original(producer, dataclasses.replace(consumer, pp_size=producer.pp_size))
 
     replace(planning, "_align", align)
+
+
+@mutant(
+    "replicas-all-write",
+    "prefill",
+    "every P rank that holds a replica of the KV writes it, not only the first of each group",
+)
+def _replicas_all_write() -> None:
+    original = planning._shards
+
+    def shards(producer: Side, consumer: Side) -> Any:
+        return dataclasses.replace(original(producer, consumer), write=True)
+
+    replace(planning, "_shards", shards)

@@ -6,6 +6,7 @@ node); the expected texts of such small prompts cost nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
@@ -92,6 +93,21 @@ def test_every_request_verifies(
         assert sum(split.values()) == pytest.approx(r["ttft_ms"], abs=0.01)
     assert f"starting P node ({p_split}) with its bootstrap server" in err
     assert "verified" in out and "raw engine" in out
+
+
+@needs_mooncake
+def test_a_replicated_p_writes_each_replica_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A P of TP 2 over one KV head, whose ranks hold the same KV: D of TP 1 verifies every
+    byte, and P wrote each request's KV once, not once a rank (10.8.7)."""
+    code, report = _run(tmp_path, "--kv-heads", "1", "--prefill-tp", "2")
+    out, _ = capsys.readouterr()
+    assert code == 0, out
+    assert report["requests"] == report["verified"] == 3
+    kv = run.prompt_kv_bytes(dataclasses.replace(SHAPE, num_kv_heads=1), 64)
+    assert report["bytes_written"] == report["bytes_verified"] == 3 * kv
+    assert report["blocks_left"] == {"prefill": 0, "decode": 0}
 
 
 @needs_mooncake
