@@ -47,8 +47,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "3.7-R3": _RESTART,
     "3.7-R5": _RESTART,
     "3.7-R16": _RESTART,
-    "4.1-R12": "each worker's own registration reaches only the bootstrap server; the harness "
-    "sees the merged /query entry (the server's check of it, 4.1-R14, has cases)",
     "4.4-R13": _DEPLOYMENT,
     "4.4-R14": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,

@@ -27,6 +27,8 @@ BACKOFFS: Final = (1.0, 2.0)  # before the second and the third attempt (4.4-R4)
 #: How long after P's last attempt its failure message may take to reach its output.
 MESSAGE_WAIT_S: Final = 5.0
 Worker = tuple[int, int, int]
+#: What every worker of one engine registers alike (4.1-R12).
+ENGINE_FIELDS: Final = ("pdwire_version", "pdwire_caps", "tp_size", "pp_size", "fingerprint")
 
 
 def _by_worker(attempts: list[Attempt]) -> dict[Worker, list[Attempt]]:
@@ -113,6 +115,8 @@ async def attempts_time_out(t: RegistrationCtx) -> None:
     unbounded = _unbounded(attempts, bound)
     expect(not unbounded, f"4.4-R1: {unbounded}, longer than the {timeout}s bound")
     by_worker = _by_worker(attempts)
+    for worker, mine in sorted(by_worker.items()):
+        expect(len(mine) <= 3, f"4.4-R2: worker {worker} made {len(mine)} registration attempts")
     # P fails its start with the first worker that gives up, which can cut the others short.
     expect(
         any(len(mine) == 3 for mine in by_worker.values()),
@@ -120,7 +124,6 @@ async def attempts_time_out(t: RegistrationCtx) -> None:
         f"{ {w: len(m) for w, m in sorted(by_worker.items())} }",
     )
     for worker, mine in sorted(by_worker.items()):
-        expect(len(mine) <= 3, f"4.4-R2: worker {worker} made {len(mine)} registration attempts")
         for i, wait in enumerate(BACKOFFS[: len(mine) - 1]):
             closed = mine[i].closed
             expect(closed is not None, f"worker {worker}'s attempt {i + 1} never ended")
@@ -181,18 +184,9 @@ async def _probe(ctx: zmq.asyncio.Context, addr: str, timeout: float) -> float |
 HOLD_S: Final = 1.5  # how long the server holds each registration's 200
 
 
-@case(
-    "registration/4.4/3",
-    "4.4-R6",
-    timeout=90.0,
-    caught_by=("serves-before-registered",),
-)
-async def no_service_before_registration(t: RegistrationCtx) -> None:
-    """A P worker serves nothing before its registration succeeded: a malformed message sent
-    while its registration waits for the server's answer is answered (ERROR, 2.4-R1) only
-    after the server's HTTP 200."""
-    p = await t.deploy(Script("accept", hold=HOLD_S))
-    await _first_registration(t, p)
+async def _probe_while_held(t: RegistrationCtx, p: Deployment) -> None:
+    """4.4-R6: each registration, while the server holds its answer, gets a malformed message
+    at the address it registers; P's ERROR to it (2.4-R1) must come after the server's 200."""
     ctx = zmq.asyncio.Context()
     probes: dict[int, asyncio.Task[float | None]] = {}
     reply_wait = HOLD_S + t.options.request_timeout
@@ -217,14 +211,14 @@ async def no_service_before_registration(t: RegistrationCtx) -> None:
             a = attempts[i]
             expect(
                 replied is not None,
-                f"P worker {a.worker} at {a.addr} never answered a malformed message (2.4-R1) "
-                f"after its registration succeeded",
+                f"4.4-R6: P worker {a.worker} at {a.addr} never answered a malformed message "
+                f"(2.4-R1) after its registration succeeded",
             )
             assert replied is not None and a.answered is not None
             expect(
                 replied >= a.answered,
-                f"P worker {a.worker} at {a.addr} answered {a.answered - replied:.2f}s before "
-                f"its registration succeeded",
+                f"4.4-R6: P worker {a.worker} at {a.addr} answered {a.answered - replied:.2f}s "
+                f"before its registration succeeded",
             )
     finally:
         for task in probes.values():
@@ -233,17 +227,24 @@ async def no_service_before_registration(t: RegistrationCtx) -> None:
 
 
 @case(
-    "registration/4.4/4",
+    "registration/4.4/3",
     "4.4-R12",
-    covers=("4.4-R11",),
+    covers=("4.4-R6", "4.4-R11", "4.1-R12"),
     timeout=90.0,
-    caught_by=("only-rank0-registers", "external-bootstrap-served-too"),
+    caught_by=(
+        "serves-before-registered",
+        "only-rank0-registers",
+        "external-bootstrap-served-too",
+        "workers-announce-apart",
+    ),
 )
 async def every_worker_registers_at_the_external_server(t: RegistrationCtx) -> None:
-    """With an external bootstrap server, every P worker registers there, and P starts no
-    bootstrap server of its own."""
-    p = await t.deploy(Script("accept"))
+    """With an external bootstrap server, every P worker registers there, all with the same
+    version, capabilities, sizes and fingerprint, serves nothing before the server accepted its
+    registration, and P starts no bootstrap server of its own."""
+    p = await t.deploy(Script("accept", hold=HOLD_S))
     await _first_registration(t, p)
+    await _probe_while_held(t, p)
     deadline = time.monotonic() + t.options.start_timeout
     while not await p.healthy():
         expect(p.process.returncode is None, f"P exited: {p.process.tail()}")
@@ -259,13 +260,26 @@ async def every_worker_registers_at_the_external_server(t: RegistrationCtx) -> N
         f"P answers /health but its workers (tp_rank, pp_rank) {missing} never registered at "
         f"the external bootstrap server (registered: {sorted(seen)})",
     )
+    announced = {
+        a.worker: {f: a.body.get(f) for f in ENGINE_FIELDS}
+        for a in p.registrar.registrations()
+        if a.answered and isinstance(a.body, dict)
+    }
+    (first, theirs), *others = sorted(announced.items())
+    for worker, mine in others:
+        differ = {f: (mine[f], theirs[f]) for f in ENGINE_FIELDS if mine[f] != theirs[f]}
+        expect(
+            not differ,
+            f"4.1-R12: worker {worker} registered other engine fields than worker {first} "
+            f"(field: (its value, worker {first}'s)): {differ}",
+        )
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", p.own_bootstrap_port)
     except OSError:
         return
     writer.close()
     raise CaseFailed(
-        f"P serves on VLLM_MOONCAKE_BOOTSTRAP_PORT {p.own_bootstrap_port} although its "
+        f"4.4-R11: P serves on VLLM_MOONCAKE_BOOTSTRAP_PORT {p.own_bootstrap_port} although its "
         f"workers register at the external server {p.registrar.url}"
     )
 
@@ -282,7 +296,7 @@ def _sizes(t: RegistrationCtx, p: Deployment) -> tuple[int, int]:
 
 
 @case(
-    "registration/4.4/5",
+    "registration/4.4/4",
     "4.4-R12",
     timeout=90.0,
     caught_by=("bootstrap-address-unchecked",),

@@ -148,3 +148,21 @@ def _external_bootstrap_served_too() -> None:
 )
 def _bootstrap_address_unchecked() -> None:
     replace(bootstrap_client, "external_url", lambda a: a if "://" in a else f"http://{a}")
+
+
+@mutant(
+    "workers-announce-apart",
+    "prefill",
+    "a worker of TP rank above 0 registers one capability fewer than rank 0",
+    at_start=True,
+)
+def _workers_announce_apart() -> None:
+    original = ProducerAgent._payload
+
+    def _payload(self: ProducerAgent) -> RegisterWorkerPayload:
+        payload = original(self)
+        if self._ranks[1] > 0 and payload.pdwire_caps:
+            return payload.model_copy(update={"pdwire_caps": payload.pdwire_caps[:-1]})
+        return payload
+
+    replace(ProducerAgent, "_payload", _payload)

@@ -175,10 +175,6 @@ def pdwire(role: str, profile: str) -> dict[str, Any]:
     extra: dict[str, Any] = {"mooncake_protocol": "tcp", "profile": profile}
     if role == "kv_producer":
         extra["bootstrap_host"] = "127.0.0.1"
-    elif profile == "pdwire/2":
-        # Below the pair suite's 60 s case bound: a load that stalls ends as D's own error,
-        # naming the request, not as the harness's timeout.
-        extra["deadline"] = 30
     return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
 
 
