@@ -175,6 +175,11 @@ def pdwire(role: str, profile: str) -> dict[str, Any]:
     extra: dict[str, Any] = {"mooncake_protocol": "tcp", "profile": profile}
     if role == "kv_producer":
         extra["bootstrap_host"] = "127.0.0.1"
+    elif profile == "pdwire/2":
+        # The first request through a fresh pair has stalled for about a minute on this 2-core
+        # machine running seven vLLM servers (P's engine reports its worker busy for 60 s), past
+        # the default 60 s; the later ones take seconds.
+        extra["deadline"] = 180
     return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
 
 
