@@ -16,7 +16,7 @@ from pdwire import error_strings
 
 from ..case import CaseFailed, case, expect
 from ..peers.registrar import Attempt, Script
-from .registration_env import Deployment, RegistrationCtx
+from .registration_env import PORTLESS_HOST, Deployment, RegistrationCtx
 
 #: How late P's own timers may fire, as the harness sees them, on a loaded machine.
 SLACK_S: Final = 1.5
@@ -312,7 +312,7 @@ async def address_without_port_is_refused(t: RegistrationCtx) -> None:
     )
     expect(
         wanted in p.output(),
-        f"P given the bootstrap address {'127.0.0.1'!r} "
+        f"P given the bootstrap address {PORTLESS_HOST!r} "
         + ("exited" if exited else "kept starting")
         + f" without the error {wanted!r}; its last lines:\n{p.process.tail()}",
     )
