@@ -269,8 +269,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=1,
         metavar="N",
         help="check up to N groups of mutants side by side, each in testees of its own (1); "
-        "the mutants of one role are one group; quicker, but a case on the order of events "
-        "can miss its mutant under that load",
+        "the proxy's mutants are one group",
     )
     mut.add_argument(
         "--timeout",

@@ -71,14 +71,18 @@ async def _switched(
 def groups_of(
     names: Sequence[str], info: dict[str, testees.MutantInfo], jobs: int
 ) -> list[list[str]]:
-    """``names`` in at most ``jobs`` groups to check side by side. The mutants of one role stay
-    in one group: they share that role's testees, and the proxy suite binds fixed ports."""
-    by_role: dict[str, list[str]] = {}
-    for name in names:
-        by_role.setdefault(info[name].role, []).append(name)
-    groups: list[list[str]] = [[] for _ in range(max(1, min(jobs, len(by_role))))]
-    for members in sorted(by_role.values(), key=len, reverse=True):
-        min(groups, key=len).extend(members)
+    """``names`` in at most ``jobs`` groups of about one size, in their order, to check side by
+    side, each group in testees of its own. The proxy mutants stay in one group: the proxy
+    suite binds fixed ports."""
+    proxy = [n for n in names if info[n].role == "proxy"]
+    rest = [n for n in names if info[n].role != "proxy"]
+    count = max(1, min(jobs, len(rest) + (1 if proxy else 0)))
+    size = -(-len(names) // count)
+    groups: list[list[str]] = [proxy]
+    for name in rest:
+        if len(groups[-1]) >= size and len(groups) < count:
+            groups.append([])
+        groups[-1].append(name)
     return [g for g in groups if g]
 
 

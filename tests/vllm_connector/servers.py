@@ -92,6 +92,10 @@ class Server:
             "VLLM_CPU_OMP_THREADS_BIND": str(self._core % (os.cpu_count() or 1)),
             "OMP_NUM_THREADS": "1",
             "MC_LOG_LEVEL": "ERROR",
+            # vLLM's sampler compiles its logprob gather with torch.compile on the first request
+            # that asks for logprobs: 40-60 s of C++ builds per server here, written to /tmp.
+            # With --enforce-eager nothing else would be compiled.
+            "TORCHDYNAMO_DISABLE": "1",
             **env,
         }
         with self.log.open("ab") as out:
@@ -175,11 +179,6 @@ def pdwire(role: str, profile: str) -> dict[str, Any]:
     extra: dict[str, Any] = {"mooncake_protocol": "tcp", "profile": profile}
     if role == "kv_producer":
         extra["bootstrap_host"] = "127.0.0.1"
-    elif profile == "pdwire/2":
-        # The first request through a fresh pair has stalled for about a minute on this 2-core
-        # machine running seven vLLM servers (P's engine reports its worker busy for 60 s), past
-        # the default 60 s; the later ones take seconds.
-        extra["deadline"] = 180
     return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
 
 

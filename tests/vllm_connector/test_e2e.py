@@ -234,7 +234,7 @@ def test_the_pair_conformance_suite_passes(
     p, d = servers[p_name], servers[d_name]
     report = tmp_path / "pair.json"
     target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
-    code = cli.main(["pair", *target, "--timeout", "120", "-q", "--json", str(report)])
+    code = cli.main(["pair", *target, "--timeout", "60", "-q", "--json", str(report)])
     doc = json.loads(report.read_text())
     print(f"pair suite, {pair}: {doc['summary']}")
     failed = {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
