@@ -58,7 +58,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "tests/unit/test_producer.py checks pdwire's producer session",
     "8.4-R6": "no wire version after pdwire/2 exists yet to add a status or a message type",
     "8.4-R8": "a rule of pdwire's library API, not of the wire: tests/unit/test_negotiation.py",
-    "9.1-R6": _GEOMETRY,
     "10.2.8": _GEOMETRY,
     "10.3.2": "need_send is P's count of the pulls it waits for: a black box shows only when it "
     "frees, which other cases check (tests/unit/test_producer.py checks pdwire's count)",

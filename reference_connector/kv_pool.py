@@ -1,25 +1,24 @@
-"""A node worker's KV cache and the node's block allocator.
+"""A node worker's KV cache.
 
 ``KVPool`` is one contiguous tensor per worker, [its layers, K/V, blocks, its heads, block_size,
 head_dim]: for each layer, K then V, each an LBHNC region of ``num_blocks`` blocks, as
 ``Geometry.side`` lays them out. ``register`` hands the tensor to the transfer engine and returns
 the worker's ``Side`` with the regions' real base addresses. Block ids are the node's: every
 worker of a node holds the same block ids for a request (vLLM's scheduler allocates them once),
-so the allocator lives in the node's front process.
+so the allocator (``block_allocator``) lives in the node's front process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
-import threading
 from collections.abc import Sequence
 
 import torch
 
 from pdwire.planning import Side
 
-from .kv_content import ContextDigest, KVShape, Words, block_runs, kv_blocks, kv_values
+from .kv_content import ContextDigest, KVShape, Words, block_runs
+from .kv_values import kv_blocks, kv_values
 from .transport import MooncakeTransport
 
 
@@ -87,43 +86,3 @@ class KVPool:
 
     def new_digest(self) -> ContextDigest:
         return ContextDigest(len(self.layers), len(self.heads))
-
-
-class OutOfBlocks(RuntimeError):
-    """The request needs more blocks than the pool has at all."""
-
-
-class BlockAllocator:
-    """Thread-safe allocator of a node's block ids, lowest ids first (fewer descriptors)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))
-        self._used: set[int] = set()
-        self._lock = threading.Lock()
-
-    def allocate(self, n: int) -> list[int] | None:
-        """``n`` block ids, or None when fewer are free now. Raises ``OutOfBlocks`` when the
-        pool could never hold ``n``."""
-        if n > self.num_blocks:
-            raise OutOfBlocks(f"{n} blocks asked for; the pool has {self.num_blocks}")
-        with self._lock:
-            if n > len(self._free):
-                return None
-            blocks = [heapq.heappop(self._free) for _ in range(n)]
-            self._used.update(blocks)
-        return blocks
-
-    def free(self, blocks: Sequence[int]) -> None:
-        with self._lock:
-            stray = [b for b in blocks if b not in self._used]
-            if stray:
-                raise ValueError(f"blocks {stray} are not allocated")
-            for b in blocks:
-                self._used.discard(b)
-                heapq.heappush(self._free, b)
-
-    @property
-    def in_use(self) -> int:
-        with self._lock:
-            return len(self._used)

@@ -35,6 +35,7 @@ from starlette.background import BackgroundTask
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
 
+from .block_allocator import BlockAllocator, OutOfBlocks
 from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
 from .bootstrap import BootstrapServer
 from .http_server import AppServer
@@ -48,7 +49,6 @@ from .kv_content import (
     render,
     tokenize,
 )
-from .kv_pool import BlockAllocator, OutOfBlocks
 from .node_worker import Role, WorkerError, WorkerHandle, WorkerSpec
 
 logger = logging.getLogger(__name__)

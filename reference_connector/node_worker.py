@@ -1,4 +1,6 @@
-"""A node's worker processes, one per (tp_rank, pp_rank), and the front's handles on them.
+"""A node's worker processes, one per (tp_rank, pp_rank): what each is started with, and the
+front's handles on them (the process itself is ``worker_process``, which loads torch; the front
+does not).
 
 Each worker (started with multiprocessing spawn) holds its ``KVPool`` and its agent
 (``worker_agents``: by default a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent`` on a
@@ -22,27 +24,22 @@ import hashlib
 import itertools
 import logging
 import multiprocessing
-import os
-import signal
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from pdwire.events import LoadRequest
 from pdwire.messages import Fingerprint
 from pdwire.versions import PDWIRE_2, Profile
 
-from .kv_content import ContextDigest, KVShape
-from .kv_pool import KVPool
-from .worker_agents import Agent, WorkerContext, load_factory
+from .kv_content import KVShape
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 #: ``on_event(worker_index, name, args)``, on the handle's reader thread.
 OnEvent = Callable[[int, str, tuple[Any, ...]], None]
-_POLL_S = 0.5
+POLL_S = 0.5  # how often a pipe reader looks up from its pipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,180 +90,13 @@ class WorkerSpec:
         return int.from_bytes(key.digest()[:7], "little") | 1
 
 
-# -- the worker process ----------------------------------------------------------------------
-
-
-class _Worker:
-    def __init__(self, spec: WorkerSpec, conn: Connection) -> None:
-        self.spec = spec
-        self._conn = conn
-        self._send_lock = threading.Lock()
-        self._digests: dict[str, ContextDigest] = {}
-        self.pool: KVPool | None = None
-        self.agent: Agent | None = None
-
-    def emit(self, *message: Any) -> None:
-        with self._send_lock:
-            self._conn.send(message)
-
-    def start(self) -> dict[str, Any]:
-        s = self.spec
-        factory = load_factory(s.agent)
-        self.pool = KVPool(s.shape, s.tp_size, s.tp_rank, s.pp_size, s.pp_rank)
-        self.agent = factory(WorkerContext(s, self.pool, self.emit))
-        return self.op_stats()
-
-    def serve(self) -> None:
-        parent = multiprocessing.parent_process()
-        watched: list[Any] = [self._conn] + ([parent.sentinel] if parent is not None else [])
-        while True:
-            ready = wait(watched, timeout=_POLL_S)
-            if parent is not None and parent.sentinel in ready:
-                logger.warning("worker %s: the front process exited", self.spec.name)
-                return
-            if not ready:
-                continue
-            try:
-                call_id, op, args = self._conn.recv()
-            except (EOFError, OSError):
-                logger.warning("worker %s: the front closed the pipe", self.spec.name)
-                return
-            if op == "stop":
-                self.emit("reply", call_id, True, None)
-                return
-            try:
-                result = getattr(self, f"op_{op}")(*args)
-            except Exception as exc:
-                logger.exception("worker %s: %s failed", self.spec.name, op)
-                self.emit("reply", call_id, False, f"{type(exc).__name__}: {exc}")
-            else:
-                self.emit("reply", call_id, True, result)
-
-    def close(self) -> None:
-        if self.agent is not None:
-            self.agent.stop()
-
-    # -- ops ---------------------------------------------------------------------------------
-
-    def _pool(self) -> KVPool:
-        assert self.pool is not None
-        return self.pool
-
-    def _agent(self) -> Agent:
-        assert self.agent is not None
-        return self.agent
-
-    def op_prefill(
-        self, req: str, ids: list[int], blocks: list[int], transfer_id: str | None, keep: bool
-    ) -> bytes:
-        """Compute the prompt's KV slice into ``blocks`` (announcing the transfer first when
-        ``transfer_id``); return the slice's row digests, kept for decoding when ``keep``."""
-        pool = self._pool()
-        if transfer_id is not None:
-            self._agent().transfer_started(transfer_id, req)
-        pool.write_prompt(ids, blocks)
-        digest = pool.new_digest()
-        digest.update(pool.words, blocks, 0, len(ids))
-        if keep:
-            self._digests[req] = digest
-        return digest.digests()
-
-    def op_finish(self, req: str, transfer_id: str, blocks: list[int], send: bool) -> None:
-        if send:
-            self._agent().transfer_finished(transfer_id, req, [blocks])
-        else:
-            self._agent().transfer_will_not_send(transfer_id, req, "stop token")
-
-    def op_load(
-        self,
-        req: str,
-        transfer_id: str,
-        engine_id: str,
-        bootstrap_addr: str,
-        blocks: list[int],
-        deadline_ms: int = 0,
-    ) -> None:
-        self._pool().zero(blocks)  # stale bytes must not pass verification
-        load = LoadRequest(req, transfer_id, engine_id, bootstrap_addr, [blocks], deadline_ms)
-        self._agent().load([load])
-
-    def op_abort(self, req: str) -> None:
-        if self.agent is not None:
-            self.agent.abort(req)
-
-    def op_verify(self, req: str, ids: list[int], blocks: list[int]) -> tuple[bool, int, bytes]:
-        """Compare the loaded blocks with the prompt's KV slice; digest what they hold."""
-        pool = self._pool()
-        ok, nbytes = pool.verify(ids, blocks)
-        digest = pool.new_digest()
-        digest.update(pool.words, blocks, 0, len(ids))
-        self._digests[req] = digest
-        return ok, nbytes, digest.digests()
-
-    def op_append(self, req: str, token: int, position: int, blocks: list[int]) -> bytes:
-        """Add a decoded token's KV at ``position``; return the updated row digests."""
-        pool = self._pool()
-        pool.append(token, position, blocks)
-        digest = self._digests[req]
-        digest.update(pool.words, blocks, position, position + 1)
-        return digest.digests()
-
-    def op_free(self, req: str) -> None:
-        self._digests.pop(req, None)
-
-    def op_mutant(self, name: str) -> None:
-        from . import mutants
-
-        mutants.apply(name)
-
-    def op_stats(self) -> dict[str, Any]:
-        s = self.spec
-        stats: dict[str, Any] = {
-            "name": s.name,
-            "pid": os.getpid(),
-            "tp_rank": s.tp_rank,
-            "pp_rank": s.pp_rank,
-            "session": "",
-            "pool_bytes": self.pool.nbytes if self.pool is not None else 0,
-            "requests": len(self._digests),
-            "descriptors": 0,
-            "bytes_written": 0,
-        }
-        if self.agent is not None:
-            stats.update(self.agent.stats())
-        return stats
-
-
-def worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """The worker process: start, announce, serve the front's commands, close."""
-    # A terminal's Ctrl-C reaches the whole process group; the front stops its workers itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(
-        level=spec.log_level,
-        format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
-    )
-    if spec.mutant:
-        from . import mutants
-
-        mutants.apply(spec.mutant)
-    worker = _Worker(spec, conn)
-    try:
-        try:
-            info = worker.start()
-        except Exception as exc:
-            logger.exception("worker %s failed to start", spec.name)
-            worker.emit("failed", f"{type(exc).__name__}: {exc}")
-            return
-        worker.emit("ready", info)
-        worker.serve()
-    except (BrokenPipeError, EOFError, OSError) as exc:
-        logger.warning("worker %s: pipe to the front lost: %s", spec.name, exc)
-    finally:
-        worker.close()
-        conn.close()
-
-
 # -- the front's handle ----------------------------------------------------------------------
+
+
+def _run_worker(spec: WorkerSpec, conn: Connection) -> None:
+    from .worker_process import worker_main
+
+    worker_main(spec, conn)
 
 
 class WorkerError(RuntimeError):
@@ -303,7 +133,7 @@ class WorkerHandle:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
-            target=worker_main, args=(self.spec, child), name=f"pdwire-{self.spec.name}"
+            target=_run_worker, args=(self.spec, child), name=f"pdwire-{self.spec.name}"
         )
         self._proc.daemon = True
         self._proc.start()
@@ -353,7 +183,7 @@ class WorkerHandle:
         assert self._conn is not None and self._proc is not None
         try:
             while True:
-                if not self._conn.poll(_POLL_S):
+                if not self._conn.poll(POLL_S):
                     if not self._proc.is_alive() and not self._conn.poll(0):
                         break
                     continue

@@ -16,7 +16,7 @@ The requests are streamed completions through the proxy (``/v1/completions``, gr
 ``(seed, request index)`` (the node tokenizes one word to one token). A request counts as
 verified only if
 
-- the text streamed through the proxy equals ``expected_text``: ``kv_content.
+- the text streamed through the proxy equals ``expected_text``: ``kv_values.
   reference_completion`` computed **in this process** (in threads, while the nodes start), a
   computation that shares no state with the nodes; and
 - D's final chunk says ``pdwire.verified`` true with ``bytes_verified`` equal to the prompt's KV
@@ -80,7 +80,8 @@ import numpy as np
 
 from pdwire.versions import PDWIRE_2, Profile
 
-from .kv_content import KVShape, reference_completion, render, tokenize
+from .kv_content import KVShape, render, tokenize
+from .kv_values import reference_completion
 from .node import NodeConfig, NodeServer
 from .node_worker import Role
 from .proxy import Prefill, Proxy, ProxyServer
@@ -183,7 +184,7 @@ def make_prompt(seed: int, index: int, tokens: int, attempt: int = 0) -> str:
 
 def expected_text(shape: KVShape, prompt: str, max_tokens: int) -> str:
     """The completion every correct deployment streams for ``prompt``: the node's decoding
-    computed here from scratch, in one slice (``kv_content.reference_completion``)."""
+    computed here from scratch, in one slice (``kv_values.reference_completion``)."""
     return render(reference_completion(shape, tokenize(prompt, shape.vocab), max_tokens))
 
 

@@ -137,6 +137,7 @@ async def continue_then_finish(t: ProducerCtx) -> None:
         "10.6.4",
         "3.3-R4",
         "7.3-R1",
+        "9.1-R6",
     ),
     caught_by=("ok-also-failed",),
 )

@@ -1,6 +1,7 @@
 """Every mutant of the reference testee is caught: with it, each case that names it fails
-(``pdwire conformance mutants --check``: one testbed, mutants switched on and off in it, one
-at a time: some cases check an order of events that load on two cores can change)."""
+(``pdwire conformance mutants --check --jobs 2``: two groups of mutants side by side, each
+switched on and off in testbeds of its own; a mutant that survives that is run again on a node of
+its own)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.conformance
 
 def test_every_mutant_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "mutants.json"
-    code = cli.main(["mutants", "--check", "--json", str(report)])
+    code = cli.main(["mutants", "--check", "--jobs", "2", "--json", str(report)])
     out, err = capsys.readouterr()
     assert report.exists(), err  # the check ran to its end
     rows = json.loads(report.read_text())

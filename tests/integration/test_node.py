@@ -22,7 +22,8 @@ import httpx
 import pytest
 
 from pdwire import error_strings
-from reference_connector.kv_content import KVShape, reference_completion, render, tokenize
+from reference_connector.kv_content import KVShape, render, tokenize
+from reference_connector.kv_values import reference_completion
 from reference_connector.node import NodeConfig, NodeServer, Policy
 from reference_connector.node_worker import WorkerError
 
