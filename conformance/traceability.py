@@ -46,7 +46,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "3.7-R2": _RESTART,
     "3.7-R3": _RESTART,
     "3.7-R5": _RESTART,
-    "3.7-R16": _RESTART,
     "4.4-R13": _DEPLOYMENT,
     "4.4-R14": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,

@@ -16,6 +16,9 @@ from ..peers.fake_d import DWorker
 from .producer_env import ProducerCtx
 
 FINISH, MISS = XferResponseStatus.FINISH, XferResponseStatus.LAYOUT_MISS
+ERROR = XferResponseStatus.ERROR
+#: A msgpack byte that no value begins with: a frame P cannot decode.
+UNDECODABLE = b"\xc1"
 
 
 def new_layout_id() -> int:
@@ -129,6 +132,33 @@ async def cached_layout_is_reused(t: ProducerCtx) -> None:
     await served_with_layout(t, worker, layout_id)
     await served_with_layout(t, worker, layout_id, with_layout=False)
     await served_with_layout(t, worker, 0)
+
+
+@case("producer/3.7/4", "3.7-R16", caught_by=("layout-cache-cleared-on-error",))
+async def cache_outlives_errors(t: ProducerCtx) -> None:
+    """Nothing but registering its own KV caches clears P's layout cache: after P answered
+    ERROR to a pull it could not decode and to one whose layout it could not align (under
+    another layout_id), a pull that omits the cached layout under its id is served."""
+    worker = t.worker(1, 0)
+    layout_id = new_layout_id()
+    await served_with_layout(t, worker, layout_id)
+    misfit = [r.kv_block_len - 2 for r in worker.regions]
+    for addr in t.targets(worker):
+        undecodable = await t.send(addr, UNDECODABLE)
+        expect(
+            undecodable.status is ERROR,
+            f"{addr}: a frame that is not msgpack: expected ERROR, got {undecodable.describe()}",
+        )
+        req = {t.new_d_req(): (t.new_transfer_id(), [[0]])}
+        misaligned = await t.pull(
+            worker, addr, req, kv_block_lens=misfit, layout_id=new_layout_id()
+        )
+        expect(
+            misaligned.status is ERROR,
+            f"{addr}: a layout whose region lengths do not fit: expected ERROR, "
+            f"got {misaligned.describe()}",
+        )
+    await served_with_layout(t, worker, layout_id, with_layout=False)
 
 
 @case("producer/3.7/3", "3.7-R9", covers=("3.7-R11",), caught_by=("layout-key-by-id",))

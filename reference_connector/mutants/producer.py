@@ -274,6 +274,18 @@ def _no_layout_cache() -> None:
     replace(producer_module, "MAX_PEER_LAYOUTS", -1)
 
 
+@mutant("layout-cache-cleared-on-error", "prefill", "clears its layout cache at each ERROR reply")
+def _layout_cache_cleared_on_error() -> None:
+    original = ProducerSession._reply_error
+
+    def reply_error(self: ProducerSession, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("status", args[4] if len(args) > 4 else Status.ERROR) is Status.ERROR:
+            self._peer_layouts.clear()
+        original(self, *args, **kwargs)
+
+    replace(ProducerSession, "_reply_error", reply_error)
+
+
 @mutant("layout-key-by-id", "prefill", "looks a cached layout up by layout_id alone")
 def _layout_key_by_id() -> None:
     original = ProducerSession._plan_for
