@@ -50,16 +50,12 @@ UNCOVERED: Final[dict[str, str]] = {
     "4.4-R14": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,
     "4.4-R16": _DEPLOYMENT,
-    "5.3-R4": "a field an engine must ignore: no case can show it read, short of a testee that "
-    "reads it, which the reference testee has no place for",
     "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "
     "T after the pull and before its placeholder expires, also at T (§6.2); "
     "tests/unit/test_producer.py checks pdwire's producer session",
     "8.4-R6": "no wire version after pdwire/2 exists yet to add a status or a message type",
     "8.4-R8": "a rule of pdwire's library API, not of the wire: tests/unit/test_negotiation.py",
     "10.2.8": _GEOMETRY,
-    "10.3.2": "need_send is P's count of the pulls it waits for: a black box shows only when it "
-    "frees, which other cases check (tests/unit/test_producer.py checks pdwire's count)",
     "10.4.7": _GEOMETRY,
     "10.6.3": _GEOMETRY,
     "10.6.6": _GEOMETRY,

@@ -195,14 +195,15 @@ async def layout_until_echoed(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/3.2/4",
     "3.2-R20",
-    covers=("8.4-R1", "8.2-R3", "8.3-R1", "4.2-R11"),
+    covers=("8.4-R1", "8.2-R3", "8.3-R1", "4.2-R11", "5.3-R4"),
     caught_by=("announces-to-legacy",),
 )
 async def legacy_pull_to_a_legacy_p(t: ConsumerCtx) -> None:
     """To a P whose /query entry has no pdwire_version (a legacy P), D's pull carries no pdwire/2
-    field."""
+    field, even when the request's kv_transfer_params carry pdwire_version 2 (a pdwire/2
+    proxy's, which says nothing of P's)."""
     fake = await t.fake_p(version=None)
-    leg = t.start(fake)
+    leg = t.start(fake, pdwire_version=2)
     rx = await t.pull(fake)
     await fake.serve(rx)
     extra = V2_PULL_KEYS & set(rx.keys)

@@ -163,12 +163,14 @@ async def unpaired_tp_rank_is_an_error(t: ProducerCtx) -> None:
 @case(
     "producer/3.4/2",
     "3.4-R6",
-    covers=("8.4-R3", "7.2-R2", "8.1-R1", "3.2-R15", "7.3-R2"),
+    covers=("8.4-R3", "7.2-R2", "8.1-R1", "3.2-R15", "7.3-R2", "5.3-R4"),
     caught_by=("v2-to-legacy",),
 )
 async def legacy_pull_gets_legacy_replies(t: ProducerCtx) -> None:
-    """Replies to a pull without pdwire_version carry none of the pdwire/2 fields."""
-    loaded = await t.load()
+    """Replies to a pull without pdwire_version carry none of the pdwire/2 fields, even when
+    the request's P leg carried pdwire_version 2 (a pdwire/2 proxy's, which says nothing of
+    D's)."""
+    loaded = await t.load(leg_params={"pdwire_version": 2})
     t.release(loaded)
     for _, addr, r in loaded.pulls:
         for reply in r.replies:

@@ -211,13 +211,16 @@ class ProducerCtx:
         *,
         params: dict[str, Any] | None = None,
         prompt: list[int] | None = None,
+        leg_params: dict[str, Any] | None = None,
         **body: Any,
     ) -> HttpResult:
         """Send P the P leg of a request (§5.1) and wait for its answer; the prompt is a new
-        one unless given."""
+        one unless given. ``leg_params`` adds fields to the leg's kv_transfer_params,
+        ``params`` replaces them."""
         kv: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
         if transfer is not None:
             kv["transfer_id"] = transfer
+        kv.update(leg_params or {})
         payload: dict[str, Any] = {
             "model": self.env.model,
             "prompt": prompt if prompt is not None else self.prompt(tokens),
@@ -451,17 +454,19 @@ class ProducerCtx:
         transfer: str | None = None,
         prompt: list[int] | None = None,
         blocks: int | None = None,
+        leg_params: dict[str, Any] | None = None,
         **fields: Any,
     ) -> Loaded:
         """A whole transfer: P's leg, then (or, with ``pull_first``, before its answer) every
         pull of every D worker, each to its paired P workers. ``blocks``: how many blocks D
-        asks for (default all of the prompt's: fewer is a prefix-cache hit); ``fields``
-        override or add fields of every pull."""
+        asks for (default all of the prompt's: fewer is a prefix-cache hit); ``leg_params``
+        adds fields to the P leg's kv_transfer_params; ``fields`` override or add fields of
+        every pull."""
         tid = transfer or self.new_transfer_id()
         d_req = self.new_d_req()
         ids = prompt if prompt is not None else self.prompt(tokens)
         n = blocks if blocks is not None else self.blocks_for(len(ids))
-        leg = self.start_prefill(tid, prompt=ids)
+        leg = self.start_prefill(tid, prompt=ids, leg_params=leg_params)
         prefill: HttpResult | None = None
         if not pull_first:
             prefill = await leg

@@ -413,6 +413,33 @@ async def failed_request_does_not_count(t: ProducerCtx) -> None:
             w.give_back(blocks)
 
 
+@case("producer/10.3/5", "10.3.2", caught_by=("need-send-follows-each-pull",))
+async def first_ready_pull_fixes_the_count(t: ProducerCtx) -> None:
+    """P counts the pulls it waits for from the first pull that finds the transfer ready: after
+    a pull of a D of TP twice P's and two stages (four pulls for each P rank), a pull that
+    claims a D of P's TP and one stage (one pull) does not make P drop the transfer, and a
+    third pull is served."""
+    if t.p_pp != 1:
+        raise Skip("this case pairs a D of PP 2 with a P of PP 1")
+    (tid,) = await t.ready(1)
+    d_req = t.new_d_req()
+    wide = t.d_workers(2 * t.p_tp, 2)
+    first, narrow = wide[0], t.worker(t.p_tp, 0)
+    same_p = [w for w in wide[1:] if t.targets(w) == t.targets(first)]
+    assert t.targets(narrow) == t.targets(first)  # D rank 0 pairs with P rank 0 in either TP
+    taken = {w: w.take(t.blocks_for()) for w in (*wide, narrow)}
+    try:
+        await pull_each(t, [first], tid, d_req, taken)
+        await pull_each(t, [narrow], tid, d_req, taken)
+        await pull_each(t, [same_p[0]], tid, d_req, taken)
+        # The rest of the transfer: the last of P rank 0's four pulls, and P's other ranks'.
+        rest = [same_p[1], *(w for w in wide if t.targets(w) != t.targets(first))]
+        await pull_each(t, rest, tid, d_req, taken)
+    finally:
+        for w, blocks in taken.items():
+            w.give_back(blocks)
+
+
 @case(
     "producer/10.9/1",
     "10.9.4",

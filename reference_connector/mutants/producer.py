@@ -396,6 +396,21 @@ def _pp_count_ignored() -> None:
     _set_need_send(paired)
 
 
+@mutant(
+    "need-send-follows-each-pull",
+    "prefill",
+    "counts the pulls it waits for anew from each pull that finds the transfer ready",
+)
+def _need_send_follows_each_pull() -> None:
+    original = ProducerSession._take_for_round
+
+    def take_for_round(self: ProducerSession, pull: Any, t: Any, *args: Any) -> None:
+        t.need_send = 0  # as if no pull had found the transfer ready before this one
+        original(self, pull, t, *args)
+
+    replace(ProducerSession, "_take_for_round", take_for_round)
+
+
 @mutant("error-frees", "prefill", "an ERROR reply frees the ready transfers its pull named")
 def _error_frees() -> None:
     original = ProducerSession._on_pull
