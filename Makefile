@@ -58,8 +58,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# Two workers, each running whole modules (tests/conftest.py says why): the suite waits on
+# processes and timers for much of its time, which the second worker fills.
+TEST_WORKERS ?= 2
 test: $(STAMP) sysdeps lint docs
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test-vllm: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -m vllm
