@@ -268,8 +268,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="check up to N groups of mutants side by side, each in testees of its own (1); "
-        "the proxy's mutants are one group",
+        help="check up to N groups of mutants side by side, each in testees of its own (1)",
     )
     mut.add_argument(
         "--timeout",

@@ -68,22 +68,12 @@ async def _switched(
     return {r.case.id: r.verdict.value for r in results}
 
 
-def groups_of(
-    names: Sequence[str], info: dict[str, testees.MutantInfo], jobs: int
-) -> list[list[str]]:
+def groups_of(names: Sequence[str], jobs: int) -> list[list[str]]:
     """``names`` in at most ``jobs`` groups of about one size, in their order, to check side by
-    side, each group in testees of its own. The proxy mutants stay in one group: the proxy
-    suite binds fixed ports."""
-    proxy = [n for n in names if info[n].role == "proxy"]
-    rest = [n for n in names if info[n].role != "proxy"]
-    count = max(1, min(jobs, len(rest) + (1 if proxy else 0)))
+    side, each group in testees of its own."""
+    count = max(1, min(jobs, len(names)))
     size = -(-len(names) // count)
-    groups: list[list[str]] = [proxy]
-    for name in rest:
-        if len(groups[-1]) >= size and len(groups) < count:
-            groups.append([])
-        groups[-1].append(name)
-    return [g for g in groups if g]
+    return [list(names[i : i + size]) for i in range(0, len(names), size)]
 
 
 async def check_mutants(
@@ -103,7 +93,7 @@ async def check_mutants(
     alone = [n for n in names if _own_testee_per_case(n, cases)]
     shared = [n for n in names if n not in alone]
     found = await asyncio.gather(
-        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(shared, info, jobs))
+        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(shared, jobs))
     )
     found.append(await _check_side_by_side(alone, info, cases, timeout, on_result))
     by_name = {r.name: r for group in found for r in group}

@@ -119,12 +119,14 @@ async def open_world(
     log: WireLog,
     *,
     bootstrap_sock: socket.socket | None = None,
+    p_sock: socket.socket | None = None,
     bootstrap_given: bool = True,
     key: str | None = None,
     p_health: int = 200,
 ) -> World:
     """Fake backends and the proxy (listening, not necessarily ready); P's ``/health`` answers
-    ``p_health`` from the start; the bootstrap server serves on ``bootstrap_sock`` when given.
+    ``p_health`` from the start; P and the bootstrap server serve on ``p_sock`` and
+    ``bootstrap_sock`` when given.
 
     ``bootstrap_given`` False fills ``{bootstrap_url}`` and ``{bootstrap_port}`` with ``none``:
     the proxy must find the bootstrap server at port 8998 of P's host (5.4-R16).
@@ -134,7 +136,7 @@ async def open_world(
     )
     world.p.health = p_health
     try:
-        await world.p.start()
+        await world.p.start(p_sock)
         await world.bootstrap.start(bootstrap_sock)
         await world.d.start()
         await start_proxy(world, options, log, bootstrap_given=bootstrap_given, key=key)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import socket
 import time
 
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
@@ -119,17 +121,22 @@ async def _unavailable(t: ProxyCtx, w: World, phase: str, watch: float = 0.0) ->
 )
 async def bootstrap_port_defaults_to_8998(t: ProxyCtx) -> None:
     """Started with P's bootstrap port given as none, the proxy queries port 8998 of P's host and
-    names http://<P's host>:8998 as remote_bootstrap_addr."""
+    names http://<P's host>:8998 as remote_bootstrap_addr. P's host is a loopback address of this
+    case's own, so that other runs on the machine can hold port 8998 of theirs."""
+    host = f"127.{random.randrange(1, 255)}.{random.randrange(256)}.{random.randrange(1, 255)}"
+    socks: list[socket.socket] = []
     try:
-        sock = bind(DEFAULT_BOOTSTRAP_PORT)
+        socks += [bind(DEFAULT_BOOTSTRAP_PORT, host), bind(0, host)]
     except OSError as exc:
-        raise Unsupported(
-            f"port {DEFAULT_BOOTSTRAP_PORT} is taken on this machine: {exc}"
-        ) from None
+        for s in socks:
+            s.close()
+        raise Unsupported(f"port {DEFAULT_BOOTSTRAP_PORT} of {host} is not free: {exc}") from None
+    sock, p_sock = socks
     try:
-        w = await t.own_world(bootstrap_sock=sock, bootstrap_given=False)
+        w = await t.own_world(bootstrap_sock=sock, p_sock=p_sock, bootstrap_given=False)
     except BaseException:
         sock.close()
+        p_sock.close()
         raise
     got = await w.bootstrap.wait(lambda h: h.path == "/query", STEP_S)
     expect(got is not None, f"the proxy did not GET /query at port 8998 within {STEP_S}s")
@@ -138,7 +145,5 @@ async def bootstrap_port_defaults_to_8998(t: ProxyCtx) -> None:
     body = t.body()
     _, _, d = await t.served(body, w)
     addr = d.params.get("remote_bootstrap_addr")
-    expect(
-        addr == f"http://127.0.0.1:{DEFAULT_BOOTSTRAP_PORT}",
-        f"the D leg names remote_bootstrap_addr {addr!r}, not http://127.0.0.1:8998",
-    )
+    expected = f"http://{host}:{DEFAULT_BOOTSTRAP_PORT}"
+    expect(addr == expected, f"the D leg names remote_bootstrap_addr {addr!r}, not {expected}")

@@ -27,7 +27,6 @@ from conformance.runner import (
     select,
     summary,
 )
-from conformance.testees import MutantInfo
 from conformance.traceability import UNCOVERED
 
 
@@ -220,16 +219,13 @@ def test_a_must_without_a_case_is_found() -> None:
     assert "3.2-R4" not in UNCOVERED
 
 
-def test_mutant_groups_are_of_one_size_and_keep_the_proxy_mutants_together() -> None:
-    roles = {"p1": "prefill", "p2": "prefill", "p3": "prefill", "d1": "decode", "x1": "proxy"}
-    roles |= {"x2": "proxy"}
-    info = {n: MutantInfo(n, r, True) for n, r in roles.items()}  # type: ignore[arg-type]
-    names = sorted(roles)
-    assert [sorted(g) for g in groups_of(names, info, 1)] == [names]
-    assert groups_of(names, info, 2) == [["x1", "x2", "d1"], ["p1", "p2", "p3"]]
-    assert groups_of(names, info, 3) == [["x1", "x2"], ["d1", "p1"], ["p2", "p3"]]
-    # a group is no smaller than the proxy's, which holds every proxy mutant
-    assert groups_of(names, info, 9) == [["x1", "x2"], ["d1", "p1"], ["p2", "p3"]]
+def test_mutant_groups_are_of_one_size_in_order() -> None:
+    names = ["d1", "p1", "p2", "p3", "x1", "x2"]
+    assert groups_of(names, 1) == [names]
+    assert groups_of(names, 2) == [["d1", "p1", "p2"], ["p3", "x1", "x2"]]
+    assert groups_of(names, 4) == [["d1", "p1"], ["p2", "p3"], ["x1", "x2"]]
+    assert groups_of(names, 9) == [[n] for n in names]
+    assert groups_of([], 3) == []
 
 
 def test_each_case_runs_in_the_layout_it_needs() -> None:
