@@ -58,11 +58,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# Two workers, each running whole modules (tests/conftest.py says why): the suite waits on
-# processes and timers for much of its time, which the second worker fills.
+# Two workers, each running whole modules (tests/conftest.py): much of the suite waits on
+# processes and timers, time that the second worker fills.
 TEST_WORKERS ?= 2
 test: $(STAMP) sysdeps lint docs
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-vllm: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -m vllm
