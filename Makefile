@@ -62,7 +62,7 @@ lint: $(STAMP)
 # processes and timers, time that the second worker fills.
 TEST_WORKERS ?= 2
 test: $(STAMP) sysdeps lint docs
-	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile
+	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-vllm: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -m vllm

@@ -71,8 +71,9 @@ async def _switched(
 def groups_of(names: Sequence[str], jobs: int) -> list[list[str]]:
     """``names`` in at most ``jobs`` groups of about one size, in their order, to check side by
     side, each group in testees of its own."""
-    count = max(1, min(jobs, len(names)))
-    size = -(-len(names) // count)
+    if not names:
+        return []
+    size = -(-len(names) // max(1, min(jobs, len(names))))
     return [list(names[i : i + size]) for i in range(0, len(names), size)]
 
 

@@ -2,7 +2,9 @@
 module runs whole on one worker, so that its fixtures start once; the vLLM servers of
 ``tests/vllm_connector/test_e2e.py`` would otherwise start on both).
 
-The longest modules run first, so that none of them starts near the end and runs alone.
+The longest modules run first, so that none of them starts near the end and runs alone (the
+Makefile passes ``--no-loadscope-reorder``, else xdist would run the modules with the most tests
+first).
 """
 
 from __future__ import annotations
