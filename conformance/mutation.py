@@ -195,7 +195,7 @@ async def _with_retry(
             print(f"{m.name}: {exc}; restarting the testees", file=sys.stderr, flush=True)
             if m.switchable:
                 switching = await bed()
-                for role in sorted(switching.nodes, reverse=True):
+                for role in sorted(switching.roles, reverse=True):  # a node that never started too
                     await switching.restart(role)
     raise AssertionError("unreachable")
 

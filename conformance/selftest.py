@@ -125,6 +125,7 @@ class Testbed:
 
     layout: Layout = DEFAULT
     nodes: dict[testees.Role, testees.Testee] = dataclasses.field(default_factory=dict)
+    roles: set[testees.Role] = dataclasses.field(default_factory=set)  # those it was started with
     key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
     mutant_control: bool = False
     proxy_mutant: str = ""  # the proxy suite starts the reference proxy with this defect
@@ -144,6 +145,7 @@ class Testbed:
         """Start the nodes of ``roles`` at once (starting one is mostly waiting for its worker
         processes); ``mutant`` goes to the node of ``role``."""
         self.mutant_control = mutant_control
+        self.roles = set(roles)
         self.proxy_mutant = mutant if role == "proxy" else ""
         self.p_command_mutant = mutant if role == "prefill" else ""
         if self.layout.keyed and not self.key_file:

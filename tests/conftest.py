@@ -13,11 +13,14 @@ from typing import Final
 
 import pytest
 
-#: The modules that take minutes, longest first (paths from the repository root).
+#: The modules that take minutes (paths from the repository root). xdist gives the first two to
+#: the two workers, and the third to the first worker after the first: the vLLM servers of
+#: test_e2e.py start only once the mutant check has ended, since the two at once overload two
+#: cores (a node of the check once took over 120 s to start).
 LONGEST: Final = (
     "tests/harness/test_mutants.py",
-    "tests/vllm_connector/test_e2e.py",
     "tests/harness/test_self.py",
+    "tests/vllm_connector/test_e2e.py",
 )
 
 
