@@ -5,7 +5,9 @@ decodes from whatever KV its P writes (``--no-verify-kv``), as an engine with a 
 the consumer suite's fake P writes bytes of its own. Both run with short timers. A case that
 needs other testees names them in ``LAYOUTS`` (a P of two PP stages, a D of TP 2), and the
 authentication cases (§8.6) run against a P and D that share a key with the harness: each
-layout gets testees of its own. A mutant goes to the testee of its role only.
+layout gets testees of its own. The proxy and registration suites, whose cases start a
+reference proxy or P of their own, run beside the layouts. A mutant goes to the testee of its
+role only.
 """
 
 from __future__ import annotations
@@ -63,6 +65,10 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "consumer/10.1/2": PARALLEL,
     "producer/10.8/5": REPLICATED,
 }
+
+
+#: The suites whose cases start testees of their own (a reference proxy, a reference P).
+BESIDE: Final = frozenset({Suite.PROXY, Suite.REGISTRATION})
 
 
 def layout_of(c: Case) -> Layout:
@@ -258,14 +264,15 @@ async def testbed(
         await bed.stop()
 
 
-async def run_self(
+async def _run_layouts(
     mutant: str,
+    role: str,
     cases: Sequence[Case],
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    role = testees.mutants()[mutant].role if mutant else ""
+    """``cases`` against the testbed of each layout they need, one layout after another."""
     results: list[Result] = []
     stopping: list[asyncio.Task[None]] = []
     try:
@@ -281,3 +288,33 @@ async def run_self(
     finally:
         await asyncio.gather(*stopping)
     return results
+
+
+async def run_self(
+    mutant: str,
+    cases: Sequence[Case],
+    options: RunOptions,
+    on_result: Callable[[Result], None] | None,
+    timeout: float,
+) -> list[Result]:
+    """Every case of ``cases`` against the reference testees, ``mutant`` in the one of its
+    role; the results in the order of ``cases``. The suites that start testees of their own
+    (``BESIDE``) run beside the others: most of their time is waiting for those to start."""
+    role = testees.mutants()[mutant].role if mutant else ""
+    own = Testbed(
+        proxy_mutant=mutant if role == "proxy" else "",
+        p_command_mutant=mutant if role == "prefill" else "",
+    )
+    beside = [c for c in cases if c.suite in BESIDE]
+    alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
+    try:
+        rest = [c for c in cases if c.suite not in BESIDE]
+        results = await _run_layouts(mutant, role, rest, options, on_result, timeout)
+        results += await alongside
+    finally:
+        if not alongside.done():
+            alongside.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await alongside
+    order = {c.id: i for i, c in enumerate(cases)}
+    return sorted(results, key=lambda r: order[r.case.id])
