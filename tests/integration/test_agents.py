@@ -463,7 +463,9 @@ def test_d_deadline_fails_cancels_and_releases(make_cluster: Callable[..., Clust
     and P frees as cancelled once its prefill ends. P does not announce ``deadline``: were it to
     honour deadline_ms, its own timer would race D's cancel (and a cancel that P handles after
     the prefill ended frees the blocks as served)."""
-    c = make_cluster(PDWIRE_2, deadline=0.3, p_caps=ALL_CAPS - {Capability.DEADLINE.value})
+    # The deadline must outlast D's query and pull (else it fails the request before there is a
+    # pull to cancel), also on a loaded machine.
+    c = make_cluster(PDWIRE_2, deadline=1.5, p_caps=ALL_CAPS - {Capability.DEADLINE.value})
     r = c.new_request()
     c.started([r])
     c.load([r])
