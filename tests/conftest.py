@@ -1,10 +1,9 @@
-"""How ``make test`` shares the tests out among pytest-xdist's workers (``--dist loadfile``: each
-module runs whole on one worker, so that its fixtures start once; the vLLM servers of
-``tests/vllm_connector/test_e2e.py`` would otherwise start on both).
-
-The longest modules run first, so that none of them starts near the end and runs alone (the
-Makefile passes ``--no-loadscope-reorder``, else xdist would run the modules with the most tests
-first).
+"""The order of the suite: the longest modules first. With ``TEST_WORKERS=2 make test``
+pytest-xdist shares the modules out among two workers (``--dist loadfile``: each module runs
+whole on one worker, so that its fixtures start once; the vLLM servers of
+``tests/vllm_connector/test_e2e.py`` would otherwise start on both), and no long module starts
+near the end to run alone (the Makefile passes ``--no-loadscope-reorder``, else xdist would run
+the modules with the most tests first).
 """
 
 from __future__ import annotations
