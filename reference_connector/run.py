@@ -363,7 +363,7 @@ class Deployment:
     def start(self) -> None:
         """P and D side by side (neither needs the other to start), then the proxy."""
         c = self.config
-        with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="pdwire-start") as pool:
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdwire-start") as pool:
             starting = pool.submit(self._node, "prefill", c.prefill_tp, c.prefill_pp)
             d = self._node("decode", c.decode_tp, c.decode_pp)
             p = starting.result()
