@@ -197,7 +197,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "that lets every attempt time out, refuses it, or answers it late, and checks the "
         "attempts, their timing, P's failure message and where P serves. P's environment sets "
         "VLLM_MOONCAKE_CONNECTOR_TIMEOUT (--attempt-timeout) and VLLM_MOONCAKE_BOOTSTRAP_PORT "
-        "(a free port, where P must not serve). The cases run side by side.",
+        "(a free port, where P must serve a bootstrap server of its own only when started from "
+        "--own-command). The cases run side by side.",
     )
     reg.add_argument(
         "--command",
@@ -208,6 +209,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "vLLM's bootstrap_server_address; a host without a port in the case of 4.4-R12), "
         "{bootstrap_url}, {bootstrap_host}, {bootstrap_port}, {python}. E.g. 'pdwire node "
         "--role prefill --port {port} --tp 2 --bootstrap {bootstrap_address}'",
+    )
+    reg.add_argument(
+        "--own-command",
+        metavar="TEMPLATE",
+        help="the command line that starts P without an external bootstrap server, so that it "
+        "serves its own at VLLM_MOONCAKE_BOOTSTRAP_PORT (4.4-R14); placeholders {port} and "
+        "{python} (the case is skipped without it)",
     )
     reg.add_argument(
         "--attempt-timeout",
@@ -540,11 +548,14 @@ def cmd_registration(args: argparse.Namespace) -> int:
 
     try:
         check_template(args.command)
+        if args.own_command is not None:
+            check_template(args.own_command, own=True)
     except ValueError as exc:
         print(f"pdwire conformance registration: {exc}", file=sys.stderr)
         return EXIT_USAGE
     options = RegistrationOptions(
         command=args.command,
+        own_command=args.own_command,
         attempt_timeout=args.attempt_timeout,
         start_timeout=args.start_timeout,
         tp=args.tp,

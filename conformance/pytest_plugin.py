@@ -68,6 +68,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "pdwire conformance registration --command takes them)",
     )
     group.addoption(
+        "--pdwire-registration-own",
+        metavar="TEMPLATE",
+        help="with --pdwire-registration: the command line that starts P without an external "
+        "bootstrap server (as pdwire conformance registration --own-command takes it)",
+    )
+    group.addoption(
         "--pdwire-abort-timeout",
         type=float,
         metavar="S",
@@ -186,7 +192,10 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
             RegistrationOptions,
         )
 
-        renv = RegistrationEnv(RegistrationOptions(command=target, request_timeout=timeout))
+        own = config.getoption("--pdwire-registration-own")
+        renv = RegistrationEnv(
+            RegistrationOptions(command=target, own_command=own, request_timeout=timeout)
+        )
         return renv, lambda log: RegistrationCtx(renv.options, log)
     from .cli import parse_prefill
     from .suites.pair_env import PairCtx, PairEnv, PairOptions

@@ -47,10 +47,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "3.7-R3": _RESTART,
     "3.7-R5": _RESTART,
     "4.4-R13": _DEPLOYMENT,
-    "4.4-R14": "where and how fast P's own bootstrap server listens: the registration suite "
-    "starts every P with an external address, to watch its registrations, so no P under test "
-    "serves one; the producer suite is given a bootstrap URL and cannot tell P's own server from "
-    "an external one",
     "4.4-R15": _DEPLOYMENT,
     "4.4-R16": _DEPLOYMENT,
     "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "

@@ -51,6 +51,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         f"$VLLM_MOONCAKE_BOOTSTRAP_PORT or {DEFAULT_BOOTSTRAP_PORT})",
     )
     p.add_argument(
+        "--bootstrap-host",
+        default="0.0.0.0",
+        metavar="ADDRESS",
+        help="prefill: address of the node's own bootstrap server (default 0.0.0.0, every "
+        "address, as spec 4.4-R14 requires)",
+    )
+    p.add_argument(
         "--register-timeout",
         type=float,
         default=float(os.environ.get("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", 30)),
@@ -193,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             bootstrap_url=args.bootstrap,
             bootstrap_port=args.bootstrap_port,
+            bootstrap_host=args.bootstrap_host,
             register_timeout=args.register_timeout,
             engine_id=args.engine_id,
             profile=LEGACY if args.profile == LEGACY else PDWIRE_2,

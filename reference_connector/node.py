@@ -68,6 +68,7 @@ class NodeConfig:
     host: str = "127.0.0.1"
     bootstrap_url: str | None = None  # prefill: where workers register (None: serve one here)
     bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT  # ... on this port (0: any free one)
+    bootstrap_host: str = "0.0.0.0"  # ... at this address (every address, 4.4-R14)
     register_timeout: float = 30.0  # each HTTP phase of a registration attempt (4.4-R1)
     engine_id: str = ""  # "" = a random one
     profile: Profile = PDWIRE_2
@@ -170,7 +171,8 @@ class NodeEngine:
     def start(self) -> None:
         c = self.config
         if c.role == "prefill" and not self.bootstrap_url:
-            self._bootstrap = BootstrapServer(auth_key=c.auth_key).start(c.host, c.bootstrap_port)
+            server = BootstrapServer(auth_key=c.auth_key)
+            self._bootstrap = server.start(c.bootstrap_host, c.bootstrap_port)
             self.bootstrap_url = self._bootstrap.url
         level = logging.getLogger().getEffectiveLevel()
         for pp in range(c.pp_size):

@@ -9,6 +9,7 @@ import re
 import time
 from typing import Final
 
+import httpx
 import zmq
 import zmq.asyncio
 
@@ -315,4 +316,53 @@ async def address_without_port_is_refused(t: RegistrationCtx) -> None:
         f"P given the bootstrap address {PORTLESS_HOST!r} "
         + ("exited" if exited else "kept starting")
         + f" without the error {wanted!r}; its last lines:\n{p.process.tail()}",
+    )
+
+
+#: 4.4-R14: how long P's own bootstrap server may take to listen after P's start.
+OWN_SERVER_START_S: Final = 30.0
+#: A loopback address other than 127.0.0.1: a server bound to every address answers there, one
+#: bound to 127.0.0.1 does not.
+OTHER_LOOPBACK: Final = "127.0.0.2"
+
+
+async def _query(host: str, port: int) -> httpx.Response | None:
+    try:
+        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
+            return await http.get(f"http://{host}:{port}/query")
+    except httpx.HTTPError:
+        return None
+
+
+@case(
+    "registration/4.4/5",
+    "4.4-R14",
+    timeout=90.0,
+    caught_by=("own-bootstrap-on-loopback",),
+)
+async def own_bootstrap_server_listens_everywhere(t: RegistrationCtx) -> None:
+    """Without an external bootstrap address, P serves a bootstrap server of its own within
+    30 s of its start, at port VLLM_MOONCAKE_BOOTSTRAP_PORT of every address (0.0.0.0)."""
+    p = await t.deploy(Script("accept"), own=True)
+    port = p.own_bootstrap_port
+    deadline = p.started + OWN_SERVER_START_S + SLACK_S
+    while (answer := await _query("127.0.0.1", port)) is None:
+        expect(p.process.returncode is None, f"P exited: {p.process.tail()}")
+        expect(
+            time.monotonic() < deadline,
+            f"P serves no bootstrap server at 127.0.0.1:{port} (VLLM_MOONCAKE_BOOTSTRAP_PORT) "
+            f"{OWN_SERVER_START_S:.0f}s after its start",
+        )
+        await asyncio.sleep(0.2)  # polling P's port: nothing to await
+    t.log.received(f"http 127.0.0.1:{port}", f"GET /query: HTTP {answer.status_code}")
+    expect(
+        answer.status_code == 200,
+        f"GET /query at P's own bootstrap server 127.0.0.1:{port} answered HTTP "
+        f"{answer.status_code}, not 200",
+    )
+    other = await _query(OTHER_LOOPBACK, port)
+    expect(
+        other is not None,
+        f"P's own bootstrap server answers at 127.0.0.1:{port} but not at {OTHER_LOOPBACK}:"
+        f"{port}: it does not listen on 0.0.0.0",
     )

@@ -6,8 +6,9 @@ P is told where to register with ``{bootstrap_address}`` (``host:port``, vLLM's
 ``bootstrap_server_address``) or ``{bootstrap_url}``; its environment carries
 ``VLLM_MOONCAKE_CONNECTOR_TIMEOUT`` (the bound on each attempt) and
 ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (where P would serve a bootstrap server of its own, which it must
-not, 4.4-R11). The cases of the suite are independent, each with its own P and server, and run
-side by side: most of a case is waiting for P to start.
+not, 4.4-R11). A second template, without an external address, starts a P that serves a
+bootstrap server of its own (4.4-R14). The cases of the suite are independent, each with its own P
+and server, and run side by side: most of a case is waiting for P to start.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ import asyncio
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
 import httpx
 
-from ..case import Case, Suite, WireLog
+from ..case import Case, Suite, WireLog, given
 from ..command import TemplateProcess, check, fill
 from ..peers.registrar import Registrar, Script
 from ..ports import free_port
@@ -30,6 +32,8 @@ from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_case
 PLACEHOLDERS: Final = (
     "python", "port", "bootstrap_address", "bootstrap_url", "bootstrap_host", "bootstrap_port",
 )  # fmt: skip
+#: Those of the template that starts P without an external bootstrap address.
+OWN_PLACEHOLDERS: Final = ("python", "port")
 #: What ``{bootstrap_address}`` is in the case of an address without a port (4.4-R12).
 PORTLESS_HOST: Final = "127.0.0.1"
 #: P's VLLM_MOONCAKE_CONNECTOR_TIMEOUT in the cases that do not time its attempts: long enough
@@ -40,11 +44,14 @@ REFERENCE_COMMAND: Final = (
     "{python} -m pdwire node --role prefill --port {port} --tp 2 --bootstrap "
     "{bootstrap_address} --layers 4 --kv-heads 4 --head-dim 16 --block-size 4 --num-blocks 16"
 )
+#: The same P without an external bootstrap address: it serves its own.
+REFERENCE_OWN_COMMAND: Final = REFERENCE_COMMAND.replace(" --bootstrap {bootstrap_address}", "")
 
 
 @dataclasses.dataclass(frozen=True)
 class RegistrationOptions:
     command: str  # the template that starts P
+    own_command: str | None = None  # the one that starts P without an external address
     attempt_timeout: float = 1.0  # P's VLLM_MOONCAKE_CONNECTOR_TIMEOUT where attempts time out
     start_timeout: float = 60.0  # from P's start to its first registration, or to its health
     tp: int | None = None  # P's sizes, when its registrations do not carry them (legacy)
@@ -52,9 +59,10 @@ class RegistrationOptions:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 
 
-def check_template(template: str) -> None:
-    """``ValueError`` unless ``template`` is a command line using only known placeholders."""
-    check(template, PLACEHOLDERS, "P")
+def check_template(template: str, own: bool = False) -> None:
+    """``ValueError`` unless ``template`` is a command line using only known placeholders
+    (``own``: those of the template that starts P without an external address)."""
+    check(template, OWN_PLACEHOLDERS if own else PLACEHOLDERS, "P")
 
 
 def reference_options(
@@ -62,7 +70,11 @@ def reference_options(
 ) -> RegistrationOptions:
     """The reference P, with ``mutant`` when one is given."""
     extra = f" --mutant {mutant}" if mutant else ""
-    return RegistrationOptions(REFERENCE_COMMAND + extra, request_timeout=request_timeout)
+    return RegistrationOptions(
+        REFERENCE_COMMAND + extra,
+        own_command=REFERENCE_OWN_COMMAND + extra,
+        request_timeout=request_timeout,
+    )
 
 
 @dataclasses.dataclass
@@ -72,7 +84,10 @@ class Deployment:
     registrar: Registrar
     process: TemplateProcess
     api: str  # P's API, whose /health says it started
-    own_bootstrap_port: int  # VLLM_MOONCAKE_BOOTSTRAP_PORT: where P must not serve (4.4-R11)
+    #: VLLM_MOONCAKE_BOOTSTRAP_PORT: where P serves its own bootstrap server, which it must not
+    #: with an external address (4.4-R11)
+    own_bootstrap_port: int
+    started: float  # when P was started (monotonic)
 
     def output(self) -> str:
         return self.process.output()
@@ -98,14 +113,25 @@ class RegistrationCtx:
         self._deployments: list[Deployment] = []
 
     async def deploy(
-        self, script: Script, *, attempt_timeout: float = RELAXED_TIMEOUT, with_port: bool = True
+        self,
+        script: Script,
+        *,
+        attempt_timeout: float = RELAXED_TIMEOUT,
+        with_port: bool = True,
+        own: bool = False,
     ) -> Deployment:
         """A scripted bootstrap server and P, started from the template pointed at it, with
         ``attempt_timeout`` as its VLLM_MOONCAKE_CONNECTOR_TIMEOUT; ``with_port`` False gives
-        P an address without a port (4.4-R12)."""
+        P an address without a port (4.4-R12); ``own`` starts P from the template without an
+        external address (the case is skipped when the run has none), so that it serves its
+        own bootstrap server."""
+        template = self.options.command
+        if own:
+            what = "the command that starts P without an external bootstrap address"
+            template = given(self.options.own_command, what, "--own-command")
         registrar = Registrar(script, self.log)
         await registrar.start()
-        port, own = free_port(), free_port()
+        port, own_port = free_port(), free_port()
         address = registrar.host_port if with_port else PORTLESS_HOST
         values = {
             "python": sys.executable,
@@ -119,10 +145,12 @@ class RegistrationCtx:
             **os.environ,
             "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
             "VLLM_MOONCAKE_CONNECTOR_TIMEOUT": str(attempt_timeout),
-            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(own),
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(own_port),
         }
-        process = TemplateProcess("P", fill(self.options.command, values, "P"), env, self.log)
-        deployment = Deployment(registrar, process, f"http://127.0.0.1:{port}", own)
+        process = TemplateProcess("P", fill(template, values, "P"), env, self.log)
+        deployment = Deployment(
+            registrar, process, f"http://127.0.0.1:{port}", own_port, time.monotonic()
+        )
         self._deployments.append(deployment)
         await process.spawn()
         return deployment
@@ -137,6 +165,8 @@ class RegistrationEnv:
 
     def __init__(self, options: RegistrationOptions) -> None:
         check_template(options.command)
+        if options.own_command is not None:
+            check_template(options.own_command, own=True)
         self.options = options
 
     async def open(self) -> None:

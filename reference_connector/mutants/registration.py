@@ -4,6 +4,7 @@ suite starts a P for each case, so each mutant is applied at start-up (``at_star
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from pdwire.http_models import RegisterReply, RegisterWorkerPayload
@@ -134,7 +135,26 @@ def _external_bootstrap_served_too() -> None:
     def start(self: node.NodeEngine) -> None:
         c = self.config
         if c.role == "prefill" and self.bootstrap_url:
-            self._bootstrap = BootstrapServer(auth_key=c.auth_key).start(c.host, c.bootstrap_port)
+            server = BootstrapServer(auth_key=c.auth_key)
+            self._bootstrap = server.start(c.bootstrap_host, c.bootstrap_port)
+        original(self)
+
+    replace(node.NodeEngine, "start", start)
+
+
+@mutant(
+    "own-bootstrap-on-loopback",
+    "prefill",
+    "serves its own bootstrap server at 127.0.0.1 only, not at every address",
+    at_start=True,
+)
+def _own_bootstrap_on_loopback() -> None:
+    from .. import node
+
+    original = node.NodeEngine.start
+
+    def start(self: node.NodeEngine) -> None:
+        self.config = dataclasses.replace(self.config, bootstrap_host="127.0.0.1")
         original(self)
 
     replace(node.NodeEngine, "start", start)

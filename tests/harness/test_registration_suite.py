@@ -6,7 +6,9 @@ bad template. Against the reference P, the cases run in ``test_self`` and their 
 from __future__ import annotations
 
 import itertools
+import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -74,3 +76,26 @@ def test_a_bad_template_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
     code = cli.main(["registration", "--command", "pdwire node --port {nope}"])
     assert code == cli.EXIT_USAGE
     assert "{bootstrap_address}" in capsys.readouterr().err
+
+
+def test_a_bad_own_template_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(
+        [
+            "registration",
+            "--command",
+            "pdwire node --port {port} --bootstrap {bootstrap_address}",
+            "--own-command",
+            "pdwire node --port {port} --bootstrap {bootstrap_address}",
+        ]
+    )
+    assert code == cli.EXIT_USAGE
+    assert "use {python}, {port}" in capsys.readouterr().err
+
+
+def test_the_own_server_case_is_skipped_without_own_command(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    template = "pdwire node --port {port} --bootstrap {bootstrap_address}"
+    args = ["registration", "--command", template, "--cases", "registration/4.4/5"]
+    assert cli.main([*args, "--json", str(report)]) == cli.EXIT_OK
+    [row] = json.loads(report.read_text())["cases"]
+    assert row["verdict"] == "skipped" and "--own-command" in row["detail"]
