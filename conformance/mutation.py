@@ -86,7 +86,8 @@ async def check_mutants(
 ) -> list[MutantResult]:
     """Run each of ``names`` against the cases that name it, in a switching testbed of each
     layout those cases run in (``selftest.layout_of``). With ``jobs`` above 1, groups
-    of mutants (``groups_of``) are checked side by side, each group in testbeds of its own."""
+    of mutants (``groups_of``) are checked side by side, each group in testbeds of its own;
+    the mutants whose cases start testees of their own are checked beside them."""
     info = testees.mutants()
     unknown = [n for n in names if n not in info]
     if unknown:
@@ -94,9 +95,9 @@ async def check_mutants(
     alone = [n for n in names if _own_testee_per_case(n, cases)]
     shared = [n for n in names if n not in alone]
     found = await asyncio.gather(
-        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(shared, jobs))
+        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(shared, jobs)),
+        _check_side_by_side(alone, info, cases, timeout, on_result),
     )
-    found.append(await _check_side_by_side(alone, info, cases, timeout, on_result))
     by_name = {r.name: r for group in found for r in group}
     return [by_name[n] for n in names]
 
