@@ -31,8 +31,8 @@ _GEOMETRY = (
     "it against an engine that runs such a model"
 )
 _RESTART = (
-    "an engine re-registering its KV caches (a restart, or sleep and wake): the harness does not "
-    "start, stop or put to sleep the engine under test"
+    "a D registering its KV caches anew (a restart): the harness does not start or stop the "
+    "engine under test (sleep and wake, through D's API, is consumer/3.7/3)"
 )
 UNCOVERED: Final[dict[str, str]] = {
     "2.1-R4": "whether a sender's list was empty or nil is the sender's own value: both decode "
@@ -44,7 +44,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "6.3-R1": _IN_FLIGHT,
     "10.9.2": _IN_FLIGHT,
     "3.7-R2": _RESTART,
-    "3.7-R3": _RESTART,
     "3.7-R5": _RESTART,
     "4.4-R13": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,

@@ -8,6 +8,7 @@ with ``now``, and ``next_deadline()`` says when to call ``handle(TimePassed(), n
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Final
@@ -48,6 +49,12 @@ RECEIVE_TIMEOUT: Final = 540.0
 LOAD_DEADLINE: Final = 60.0
 
 UNREPORTED: Final = "peer finished without reporting a transfer result"
+
+
+def mint_layout_id() -> int:
+    """A new layout id, as D mints one each time it registers its KV caches at new addresses:
+    random, odd, below 2**63 (3.7-R1, R2)."""
+    return secrets.randbits(63) | 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -162,6 +162,7 @@ class NodeEngine:
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
         self._ids = 0
+        self.sleeping = False
         self.counts: dict[str, int] = dict.fromkeys(
             ("total", "active", "ok", "errors", "remote", "verified", "recomputed", "failed"), 0
         )
@@ -241,6 +242,22 @@ class NodeEngine:
                 raise ValueError(f"mutant {name} needs a {m.role} node of its own")
         mutants.apply(name)
         await self._all("mutant", name)
+
+    async def sleep(self, asleep: bool) -> None:
+        """vLLM's sleep mode: every worker unregisters its KV memory (``asleep``), or registers
+        it again. Only an idle node sleeps (``NodeError`` 409); an agent without sleep mode
+        gives ``NodeError`` 501."""
+        if asleep == self.sleeping:
+            return
+        if asleep and self.allocator.in_use:
+            raise NodeError(
+                409, "requests in flight: a node sleeps only when idle", "ConflictError"
+            )
+        if not all(await self._all("sleep", not asleep)):
+            raise NodeError(
+                501, "this node's worker agent has no sleep mode", "NotImplementedError"
+            )
+        self.sleeping = asleep
 
     def healthy(self) -> bool:
         up = bool(self.workers) and all(w.alive for w in self.workers)
@@ -369,6 +386,10 @@ class NodeEngine:
             raise NodeError(400, "the prompt is empty")
         if job.max_tokens < 1:
             raise NodeError(400, f"max_tokens must be at least 1, got {job.max_tokens}")
+        if self.sleeping:
+            raise NodeError(
+                503, "the node is sleeping: POST /wake_up first", "ServiceUnavailableError"
+            )
         self.counts["total"] += 1
         p, role = job.params or {}, self.config.role
         if role == "prefill" and p.get("do_remote_decode"):
@@ -794,6 +815,27 @@ def create_app(engine: NodeEngine) -> FastAPI:
     @app.get("/pdwire/stats")
     async def stats() -> dict[str, Any]:
         return await engine.stats()
+
+    @app.post("/sleep")
+    async def sleep() -> Response:
+        """vLLM's sleep mode (its development API): the KV memory leaves the transfer engine."""
+        try:
+            await engine.sleep(True)
+        except NodeError as exc:
+            return _error(exc)
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up() -> Response:
+        try:
+            await engine.sleep(False)
+        except NodeError as exc:
+            return _error(exc)
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, bool]:
+        return {"is_sleeping": engine.sleeping}
 
     if engine.config.mutant_control:
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import hashlib
 import itertools
 import logging
 import multiprocessing
@@ -83,11 +82,6 @@ class WorkerSpec:
             block_size=s.block_size,
             kv_layout="LBHNC",
         )
-
-    def layout_id(self) -> int:
-        """A nonzero id of this D worker's layout, stable for its life (§3.7)."""
-        key = hashlib.blake2b(f"{self.engine_id}/{self.tp_rank}/{self.pp_rank}".encode())
-        return int.from_bytes(key.digest()[:7], "little") | 1
 
 
 # -- the front's handle ----------------------------------------------------------------------

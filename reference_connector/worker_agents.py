@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
+from pdwire.consumer import mint_layout_id
 from pdwire.events import LoadRequest
 from pdwire.planning import Descriptors
 from pdwire.producer import ProducerConfig
@@ -58,7 +59,11 @@ class Agent(Protocol):
         """Counters for ``/pdwire/stats`` (``descriptors`` and ``bytes_written`` at least)."""
 
     def stop(self) -> None:
-        """Stop serving and release what the agent holds."""
+        """Stop serving and release what the agent holds.
+
+        An agent may also have ``sleep()`` and ``wake_up()``, vLLM's sleep mode: unregister its
+        KV memory from the transfer engine, and register the same memory again; the node
+        answers HTTP 501 to ``POST /sleep`` for an agent without them."""
 
 
 @dataclasses.dataclass
@@ -125,6 +130,7 @@ class ReferenceAgent:
     ) -> None:
         s = ctx.spec
         self._emit = ctx.emit
+        self._pool = ctx.pool
         self.transport = CountingTransport(s.host)
         self.producer: ProducerAgent | None = None
         self.consumer: ConsumerAgent | None = None
@@ -162,7 +168,7 @@ class ReferenceAgent:
                     pp_rank=s.pp_rank,
                     profile=s.profile,
                     fingerprint=s.fingerprint(),
-                    layout_id=s.layout_id(),
+                    layout_id=mint_layout_id(),
                     receive_timeout=s.receive_timeout or s.abort_timeout + 60.0,  # 3.1-R8
                     auth_key=s.auth_key,
                 )
@@ -222,6 +228,14 @@ class ReferenceAgent:
             c = self.consumer
             stats.update(pulls_sent=c.pulls_sent, open_sockets=c.open_sockets)
         return stats
+
+    def sleep(self) -> None:
+        self.transport.unregister(self._pool.kv)
+
+    def wake_up(self) -> None:
+        """The same memory at the same addresses: D keeps its layout_id and its echoes, P its
+        layout cache (3.7-R3, R16)."""
+        self.transport.register(self._pool.kv)
 
     def stop(self) -> None:
         for agent in (self.producer, self.consumer):

@@ -139,6 +139,15 @@ class _Worker:
     def op_free(self, req: str) -> None:
         self._digests.pop(req, None)
 
+    def op_sleep(self, awake: bool) -> bool:
+        """Unregister the agent's KV memory, or (``awake``) register it again; False when the
+        agent has no sleep mode."""
+        step = getattr(self._agent(), "wake_up" if awake else "sleep", None)
+        if step is None:
+            return False
+        step()
+        return True
+
     def op_mutant(self, name: str) -> None:
         from . import mutants
 

@@ -5,10 +5,10 @@ and a miss is answered with LAYOUT_MISS, only where a D can decode it."""
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 from pdwire import error_strings
+from pdwire.consumer import mint_layout_id
 from pdwire.messages import XferResponseStatus
 
 from ..case import case, expect, expect_equal
@@ -19,11 +19,6 @@ FINISH, MISS = XferResponseStatus.FINISH, XferResponseStatus.LAYOUT_MISS
 ERROR = XferResponseStatus.ERROR
 #: A msgpack byte that no value begins with: a frame P cannot decode.
 UNDECODABLE = b"\xc1"
-
-
-def new_layout_id() -> int:
-    """A layout id as a D mints it: random, odd, below 2**63 (3.7-R1)."""
-    return random.getrandbits(63) | 1
 
 
 def miss_message(worker: DWorker, layout_id: int) -> str:
@@ -45,7 +40,7 @@ async def miss_for_unknown_layout(t: ProducerCtx) -> None:
     reply, with message #3 (and, to a pdwire/2 D, err_code LAYOUT_MISS)."""
     worker = t.worker(1, 0)
     variants = [False, True] if t.env.p_version >= 2 else [False]
-    ids = {announce: new_layout_id() for announce in variants}
+    ids = {announce: mint_layout_id() for announce in variants}
     results = await asyncio.gather(
         *(
             t.pull(
@@ -90,7 +85,7 @@ async def miss_only_to_layout_cache_users(t: ProducerCtx) -> None:
         f"a pull with layout_id 0 and no layout: expected a terminal reply other than "
         f"LAYOUT_MISS, got {r.describe()}",
     )
-    await served_with_layout(t, worker, new_layout_id())
+    await served_with_layout(t, worker, mint_layout_id())
 
 
 async def served_with_layout(
@@ -128,7 +123,7 @@ async def cached_layout_is_reused(t: ProducerCtx) -> None:
     """A layout sent with a nonzero layout_id is echoed and kept: a later pull that omits it
     under that id is served from the cache; a pull with layout_id 0 is echoed 0."""
     worker = t.worker(1, 0)
-    layout_id = new_layout_id()
+    layout_id = mint_layout_id()
     await served_with_layout(t, worker, layout_id)
     await served_with_layout(t, worker, layout_id, with_layout=False)
     await served_with_layout(t, worker, 0)
@@ -140,7 +135,7 @@ async def cache_outlives_errors(t: ProducerCtx) -> None:
     ERROR to a pull it could not decode and to one whose layout it could not align (under
     another layout_id), a pull that omits the cached layout under its id is served."""
     worker = t.worker(1, 0)
-    layout_id = new_layout_id()
+    layout_id = mint_layout_id()
     await served_with_layout(t, worker, layout_id)
     misfit = [r.kv_block_len - 2 for r in worker.regions]
     for addr in t.targets(worker):
@@ -151,7 +146,7 @@ async def cache_outlives_errors(t: ProducerCtx) -> None:
         )
         req = {t.new_d_req(): (t.new_transfer_id(), [[0]])}
         misaligned = await t.pull(
-            worker, addr, req, kv_block_lens=misfit, layout_id=new_layout_id()
+            worker, addr, req, kv_block_lens=misfit, layout_id=mint_layout_id()
         )
         expect(
             misaligned.status is ERROR,
@@ -168,7 +163,7 @@ async def cache_key_has_six_fields(t: ProducerCtx) -> None:
     remote_pp_size, remote_tp_size or layout_id gets LAYOUT_MISS."""
     d_tp = 2 * t.p_tp  # so that two D TP ranks pair with P rank 0
     worker, other = t.worker(d_tp, 0), t.worker(d_tp, 1)
-    layout_id = new_layout_id()
+    layout_id = mint_layout_id()
     (tid,) = await t.ready(1)
     d_req, blocks = t.new_d_req(), worker.take(t.blocks_for())
     other_blocks = other.take(t.blocks_for())

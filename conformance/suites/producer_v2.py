@@ -13,13 +13,13 @@ from typing import Any, Final
 import msgspec
 
 from pdwire import error_strings
+from pdwire.consumer import mint_layout_id
 from pdwire.messages import Fingerprint, XferResponseStatus
 from pdwire.versions import ALL_CAPS, Capability
 
 from ..case import case, expect, expect_equal
 from ..peers.fake_d import DWorker, PullResult
 from .producer_env import ProducerCtx
-from .producer_layout import new_layout_id
 from .producer_pairing import control, expect_slice, pull_each
 from .producer_timers import SLACK, expect_failed
 
@@ -242,7 +242,7 @@ async def mismatched_layout_not_cached(t: ProducerCtx) -> None:
     t.require_cap(Capability.FINGERPRINT)
     assert t.env.fingerprint is not None
     worker = t.worker(1, 0)
-    layout_id = new_layout_id()
+    layout_id = mint_layout_id()
     wrong = differing(t.env.fingerprint)["dtype"]
     req = {t.new_d_req(): (t.new_transfer_id(), [[0]])}
     r = await t.pull(

@@ -662,3 +662,24 @@ def _pulls_own_stage_only() -> None:
         return addrs
 
     replace(ConsumerSession, "_targets", targets)
+
+
+@mutant(
+    "new-layout-on-wake",
+    "decode",
+    "mints a new layout_id when woken from sleep, though its KV keeps its addresses",
+)
+def _new_layout_on_wake() -> None:
+    from ..worker_agents import ReferenceAgent
+
+    original = ReferenceAgent.wake_up
+
+    def wake_up(self: ReferenceAgent) -> None:
+        original(self)
+        if self.consumer is not None:
+            session = self.consumer._session
+            fresh = consumer_module.mint_layout_id()
+            session.config = dataclasses.replace(session.config, layout_id=fresh)
+            session._acked.clear()
+
+    replace(ReferenceAgent, "wake_up", wake_up)

@@ -12,11 +12,11 @@ only once no write can land in its blocks any more.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from typing import TYPE_CHECKING
 
+from pdwire.consumer import mint_layout_id
 from pdwire.events import FreeReason, LoadRequest
 from pdwire.messages import ErrorCode
 from pdwire.planning import Side
@@ -104,7 +104,7 @@ class PdwireWorker:
                 pp_rank=pos.pp_rank,
                 profile=s.profile,
                 fingerprint=fp,
-                layout_id=secrets.randbits(63) | 1,
+                layout_id=mint_layout_id(),
                 receive_timeout=s.receive_timeout,
                 deadline=s.deadline,
                 auth_key=s.auth_key,

@@ -227,6 +227,23 @@ def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> No
     assert sum(w["bytes_written"] for w in cluster.stats(p)["workers"]) > 0
 
 
+def test_sleep_and_wake_keep_serving_transfers(cluster: Cluster) -> None:
+    """vLLM's sleep mode: a sleeping node refuses completions (503); woken, its workers have
+    registered the same memory again, and a transfer between two woken nodes verifies."""
+    for node in ("p_tp2", "d_tp2"):
+        url = cluster.nodes[node].url
+        assert cluster.http.post(f"{url}/sleep", params={"level": 1}).status_code == 200
+        assert cluster.http.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        refused = cluster.complete(node, probe(stop=False))
+        assert refused.status_code == 503 and "/wake_up" in refused.text
+        assert cluster.http.post(f"{url}/wake_up").status_code == 200
+        assert cluster.http.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+    p_reply, d_reply = cluster.disaggregated("p_tp2", "d_tp2", probe(stop=False))
+    assert p_reply.status_code == 200, p_reply.text
+    assert d_reply.status_code == 200, d_reply.text
+    assert d_reply.json()["pdwire"]["verified"] is True
+
+
 def test_pull_after_prefill_and_streaming(cluster: Cluster) -> None:
     """P answers first (its KV waits for the pull), D streams its tokens as SSE."""
     prompt = probe(stop=False)

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from pdwire import ErrorCode, XferCancel, XferResponseStatus, decode_cancel, decode_pull
-from pdwire.consumer import UNREPORTED, ConsumerSession
+from pdwire.consumer import UNREPORTED, ConsumerSession, mint_layout_id
 from pdwire.events import (
     AbortRequested,
     BlocksReleased,
@@ -153,6 +153,14 @@ def test_layout_omitted_only_after_echo(echo: int, omitted: bool) -> None:
     assert (not msg.registered_layer_names) is omitted
     assert (msg.fingerprint is None) is omitted
     assert msg.layout_id == 0x11
+
+
+def test_minted_layout_ids_are_random_odd_and_below_2_63() -> None:
+    """3.7-R1/R2: each registration mints another id, never 0 (a D restarted under the same
+    engine id must not reuse its layout_id at new addresses)."""
+    ids = [mint_layout_id() for _ in range(64)]
+    assert all(i % 2 == 1 and 0 < i < 2**63 for i in ids)
+    assert len(set(ids)) == len(ids)
 
 
 def test_layout_echo_is_per_p_worker() -> None:
