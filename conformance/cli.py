@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .case import Case, Suite, all_cases
+from .command import check
 from .requirements import CATALOGUE, dump, parse_spec
 from .runner import (
     DEFAULT_REQUEST_TIMEOUT,
@@ -139,6 +140,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="D's receive timeout per pull, when known (default: --abort-timeout "
         "+ 60); receive-timeout cases are skipped without either",
+    )
+    cons.add_argument(
+        "--d-command",
+        metavar="TEMPLATE",
+        help="the command line that starts a D like the one at --api, for the case that "
+        "restarts D (3.7-R2); placeholders {port} (its API) and {python}; set a fixed engine "
+        "id in it where D takes one (the case is skipped without it)",
     )
     _auth_key(cons, "D")
     _common(cons)
@@ -470,8 +478,14 @@ def cmd_producer(args: argparse.Namespace) -> int:
 
 
 def cmd_consumer(args: argparse.Namespace) -> int:
-    from .suites.consumer_env import ConsumerOptions, run_consumer
+    from .suites.consumer_env import D_PLACEHOLDERS, ConsumerOptions, run_consumer
 
+    if args.d_command is not None:
+        try:
+            check(args.d_command, D_PLACEHOLDERS, "D")
+        except ValueError as exc:
+            print(f"pdwire conformance consumer: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     options = ConsumerOptions(
         api=args.api.rstrip("/"),
         model=args.model,
@@ -479,6 +493,7 @@ def cmd_consumer(args: argparse.Namespace) -> int:
         receive_timeout=args.receive_timeout,
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
+        d_command=args.d_command,
     )
     testee = {"role": "consumer", "api": options.api}
     return _run(

@@ -43,6 +43,7 @@ from typing import Any, Final
 import httpx
 
 from .case import Case, Suite, all_cases
+from .peers.http import probe
 from .ports import free_port
 from .runner import (
     DEFAULT_REQUEST_TIMEOUT,
@@ -231,10 +232,8 @@ async def start(impl: Implementation, role: str, start_timeout: float, host: str
 
 
 async def _answers(http: httpx.AsyncClient, url: str) -> bool:
-    try:
-        return (await http.get(url)).status_code == 200
-    except httpx.HTTPError:
-        return False
+    got = await probe(url, http)
+    return got is not None and got.status_code == 200
 
 
 # -- the matrix ------------------------------------------------------------------------------

@@ -68,6 +68,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "pdwire conformance registration --command takes them)",
     )
     group.addoption(
+        "--pdwire-d-command",
+        metavar="TEMPLATE",
+        help="with --pdwire-consumer: the command line that starts a D like it, for the case "
+        "that restarts D (as pdwire conformance consumer --d-command takes it)",
+    )
+    group.addoption(
         "--pdwire-registration-own",
         metavar="TEMPLATE",
         help="with --pdwire-registration: the command line that starts P without an external "
@@ -177,7 +183,12 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
         from .suites.consumer_env import ConsumerCtx, ConsumerEnv, ConsumerOptions
 
         cenv = ConsumerEnv(
-            ConsumerOptions(api=target, abort_timeout=abort, request_timeout=timeout)
+            ConsumerOptions(
+                api=target,
+                abort_timeout=abort,
+                request_timeout=timeout,
+                d_command=config.getoption("--pdwire-d-command"),
+            )
         )
         return cenv, lambda log: ConsumerCtx(cenv, log)
     if suite is Suite.PROXY:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import shlex
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
@@ -136,6 +137,7 @@ class Testbed:
     mutant_control: bool = False
     proxy_mutant: str = ""  # the proxy suite starts the reference proxy with this defect
     p_command_mutant: str = ""  # the registration suite starts each reference P with this one
+    d_command_mutant: str = ""  # the consumer cases that start a D start it with this one
 
     @property
     def auth_key(self) -> bytes | None:
@@ -154,6 +156,7 @@ class Testbed:
         self.roles = set(roles)
         self.proxy_mutant = mutant if role == "proxy" else ""
         self.p_command_mutant = mutant if role == "prefill" else ""
+        self.d_command_mutant = mutant if role == "decode" else ""
         if self.layout.keyed and not self.key_file:
             fd, self.key_file = tempfile.mkstemp(prefix="pdwire-conformance-", suffix=".key")
             with os.fdopen(fd, "wb") as f:
@@ -196,6 +199,18 @@ class Testbed:
             self.key_file = ""
 
 
+def reference_d_command(mutant: str = "") -> str:
+    """The template of the reference D that the consumer cases which start a D of their own
+    start. Its engine id is fixed, so that a D which derived its layout_id from it would send
+    the same one after a restart."""
+    args = [
+        "{python}", "-m", "pdwire", "node", "--role", "decode", "--port", "{port}",
+        "--engine-id", "pdwire-conformance-d", *testees.GEOMETRY, *DECODE_FLAGS,
+        "--abort-timeout", str(testees.ABORT_TIMEOUT),
+    ]  # fmt: skip
+    return shlex.join(args + (["--mutant", mutant] if mutant else []))
+
+
 async def run_suites(
     bed: Testbed,
     cases: Sequence[Case],
@@ -230,6 +245,7 @@ async def run_suites(
             receive_timeout=RECEIVE_TIMEOUT,
             request_timeout=timeout,
             auth_key=bed.auth_key,
+            d_command=reference_d_command(bed.d_command_mutant),
         )
         results += await run_consumer(copts, cases, options, on_result)
     if Suite.PAIR in wanted and p is not None and d is not None:

@@ -30,10 +30,6 @@ _GEOMETRY = (
     "kernel blocks smaller than blocks, shared groups, packed rows): the harness can only check "
     "it against an engine that runs such a model"
 )
-_RESTART = (
-    "a D registering its KV caches anew (a restart): the harness does not start or stop the "
-    "engine under test (sleep and wake, through D's API, is consumer/3.7/3)"
-)
 UNCOVERED: Final[dict[str, str]] = {
     "2.1-R4": "whether a sender's list was empty or nil is the sender's own value: both decode "
     "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
@@ -43,8 +39,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "3.5-R11": _IN_FLIGHT,
     "6.3-R1": _IN_FLIGHT,
     "10.9.2": _IN_FLIGHT,
-    "3.7-R2": _RESTART,
-    "3.7-R5": _RESTART,
     "4.4-R13": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,
     "4.4-R16": _DEPLOYMENT,

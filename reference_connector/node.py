@@ -816,22 +816,21 @@ def create_app(engine: NodeEngine) -> FastAPI:
     async def stats() -> dict[str, Any]:
         return await engine.stats()
 
-    @app.post("/sleep")
-    async def sleep() -> Response:
-        """vLLM's sleep mode (its development API): the KV memory leaves the transfer engine."""
+    async def asleep(state: bool) -> Response:
         try:
-            await engine.sleep(True)
+            await engine.sleep(state)
         except NodeError as exc:
             return _error(exc)
         return Response(status_code=200)
 
+    @app.post("/sleep")
+    async def sleep() -> Response:
+        """vLLM's sleep mode (its development API): the KV memory leaves the transfer engine."""
+        return await asleep(True)
+
     @app.post("/wake_up")
     async def wake_up() -> Response:
-        try:
-            await engine.sleep(False)
-        except NodeError as exc:
-            return _error(exc)
-        return Response(status_code=200)
+        return await asleep(False)
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, bool]:

@@ -7,11 +7,13 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
 from ..case import WireLog
+
+PROBE_TIMEOUT: Final = 2.0  # seconds: a server that is up answers a probe at once
 
 
 @dataclasses.dataclass
@@ -71,6 +73,18 @@ async def request(
         decoded = response.text
     log.received(channel, f"HTTP {response.status_code}", decoded)
     return HttpResult(response.status_code, decoded, elapsed)
+
+
+async def probe(url: str, http: httpx.AsyncClient | None = None) -> httpx.Response | None:
+    """``GET url`` (with ``http``, or a client of its own with a short timeout), unlogged: the
+    answer, or None where nothing answered, as while a server starts."""
+    try:
+        if http is not None:
+            return await http.get(url)
+        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False) as own:
+            return await own.get(url)
+    except httpx.HTTPError:
+        return None
 
 
 def request_id() -> str:

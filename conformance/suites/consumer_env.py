@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
@@ -24,9 +26,11 @@ from pdwire.planning import target_ranks
 from pdwire.versions import Capability
 
 from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, expect, given
+from ..command import TemplateProcess, fill
 from ..peers.engine import Engine
 from ..peers.fake_p import DEFAULT_CAPS, FakeP, FakePConfig, Received, Source
-from ..peers.http import HttpResult, request, request_id, transfer_id
+from ..peers.http import HttpResult, probe, request, request_id, transfer_id
+from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
 DECODE_KEYS: Final = ("remote_bootstrap_addr", "remote_engine_id", "transfer_id")
@@ -35,6 +39,11 @@ FAST: Final = 2.5  # "at once": a failure that needs no wait on P comes within t
 #: Long enough that each wait of a case for D (``request_timeout``) ends first, and says what
 #: the case waited for.
 CASE_TIMEOUT: Final = 60.0
+#: Those of ``ConsumerOptions.d_command``.
+D_PLACEHOLDERS: Final = ("python", "port")
+#: How long a D started from ``d_command`` may take to answer ``/health`` (as long as
+#: ``pdwire conformance self`` gives its own testees).
+D_START_S: Final = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +59,9 @@ class ConsumerOptions:
     prompt_tokens: int = 18  # not a multiple of common block sizes
     max_tokens: int = 4
     auth_key: bytes | None = None  # the key D shares (§8.6): the fake P's sign their replies
+    #: the command line that starts a D of the harness's own, for the cases that restart D
+    #: (placeholders ``D_PLACEHOLDERS``)
+    d_command: str | None = None
 
 
 class ConsumerEnv:
@@ -113,18 +125,47 @@ class ConsumerCtx:
         self.env = env
         self.log = log
         self.options = env.options
+        self.api = env.options.api  # the D the case's requests go to (``own_d`` changes it)
         self._fakes: list[FakeP] = []
         self._tasks: list[asyncio.Task[Any]] = []
+        self._own: TemplateProcess | None = None
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._own is not None:
+            await self._own.stop()
         for fake in self._fakes:
             winding = fake.stop()
             if winding is not None:
                 self.env.winding_down.add(winding)
                 winding.add_done_callback(self.env.winding_down.discard)
+
+    async def own_d(self) -> None:
+        """Start a D of the case's own from the run's ``d_command`` (the case is skipped
+        without one), stopping the one it started before; the case's requests go to it."""
+        what = "the command that starts a D"
+        template = given(self.options.d_command, what, "--d-command")
+        if self._own is not None:
+            await self._own.stop()
+        port = free_port()
+        values = {"python": sys.executable, "port": str(port)}
+        env = {**os.environ, "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+        self._own = TemplateProcess("D", fill(template, values, "D"), env, self.log)
+        self.api = f"http://127.0.0.1:{port}"
+        await self._own.spawn()
+        deadline = time.monotonic() + D_START_S
+        await self._own.wait_listening(self.api, D_START_S)
+        while not await self._healthy():
+            expect(self._own.returncode is None, f"D exited: {self._own.tail()}")
+            expect(time.monotonic() < deadline, f"D did not answer /health within {D_START_S}s")
+            await asyncio.sleep(0.2)  # polling D's /health: nothing to await
+        self.log.note(f"D started from the --d-command template at {self.api}")
+
+    async def _healthy(self) -> bool:
+        got = await probe(f"{self.api}/health", self.env.http)
+        return got is not None and got.status_code == 200
 
     # -- fake P's ----------------------------------------------------------------------------
 
@@ -216,7 +257,7 @@ class ConsumerCtx:
         return await request(
             self.env.http,
             "POST",
-            f"{self.options.api}/v1/completions",
+            f"{self.api}/v1/completions",
             self.log,
             body=payload,
             headers={"X-Request-Id": request_id()},

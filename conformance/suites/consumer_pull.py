@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Final
 
 import msgspec
@@ -13,7 +11,6 @@ from pdwire.versions import ALL_CAPS, Capability
 
 from ..case import Unsupported, expect, expect_equal
 from ..peers.fake_p import Received
-from ..peers.http import request
 from .consumer_env import QUIET, ConsumerCtx, consumer_case
 
 V2_PULL_KEYS: Final = frozenset(
@@ -193,65 +190,6 @@ async def layout_until_echoed(t: ConsumerCtx) -> None:
     for name in ("kv_caches_base_addr", *REGION_LISTS):
         expect(not getattr(last.pull, name), f"a pull that omits the layout still sends {name}")
     expect_equal(last.pull.layout_id, layout_id, "layout_id of a pull that omits the layout")
-
-
-#: What D's API answers ``POST /sleep`` with when it has no sleep mode.
-NO_SLEEP_MODE: Final = frozenset({404, 405, 501})
-#: How long D may refuse to sleep (HTTP 409) while it winds down a request that has answered.
-SLEEP_WAIT_S: Final = 5.0
-
-
-async def _sleep_and_wake(t: ConsumerCtx) -> None:
-    """Put D to sleep and wake it (vLLM's ``POST /sleep``, ``POST /wake_up``); unsupported when
-    D's API has no sleep mode."""
-    api = t.options.api
-    deadline = time.monotonic() + SLEEP_WAIT_S
-    while True:
-        slept = await request(t.env.http, "POST", f"{api}/sleep?level=1", t.log)
-        if slept.status != 409 or time.monotonic() >= deadline:
-            break
-        await asyncio.sleep(0.2)  # D is still winding down: polling its API, nothing to await
-    if slept.status in NO_SLEEP_MODE:
-        raise Unsupported(
-            f"D answers POST /sleep with HTTP {slept.status}: it has no sleep mode (vLLM has one "
-            "with VLLM_SERVER_DEV_MODE=1)"
-        )
-    try:
-        expect(slept.status == 200, f"POST /sleep to an idle D: HTTP {slept.status}")
-    finally:
-        woke = await request(t.env.http, "POST", f"{api}/wake_up", t.log)
-    expect(woke.status == 200, f"POST /wake_up: HTTP {woke.status}")
-
-
-@consumer_case("consumer/3.7/3", "3.7-R3", caught_by=("new-layout-on-wake",))
-async def layout_id_kept_through_sleep(t: ConsumerCtx) -> None:
-    """D put to sleep and woken registers the same memory again: while its layout keeps the
-    same addresses, its pulls keep the same layout_id (a new one only for new addresses)."""
-    fake = await t.fake_p()
-
-    async def exchange() -> Received:
-        leg = t.start(fake)
-        rx = await t.pull(fake)
-        await fake.serve(rx)  # echoing D's layout_id
-        t.expect_decoded(await leg.result())
-        return rx
-
-    before = (await exchange()).pull
-    assert before is not None
-    if not before.layout_id:
-        raise Unsupported("D sends layout_id 0: it does not use the layout cache (3.7-R1)")
-    await _sleep_and_wake(t)
-    after = (await exchange()).pull
-    assert after is not None
-    if after.kv_caches_base_addr and after.kv_caches_base_addr != before.kv_caches_base_addr:
-        expect(
-            after.layout_id != before.layout_id,
-            f"D woke with its KV at new addresses but kept layout_id {before.layout_id:#x} "
-            "(3.7-R2)",
-        )
-        t.log.note("D woke with its KV at new addresses, under a new layout_id")
-        return
-    expect_equal(after.layout_id, before.layout_id, "layout_id after sleep and wake")
 
 
 @consumer_case(

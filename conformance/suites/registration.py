@@ -9,13 +9,13 @@ import re
 import time
 from typing import Final
 
-import httpx
 import zmq
 import zmq.asyncio
 
 from pdwire import error_strings
 
 from ..case import CaseFailed, case, expect
+from ..peers.http import probe
 from ..peers.registrar import Attempt, Script
 from .registration_env import PORTLESS_HOST, Deployment, RegistrationCtx
 
@@ -326,14 +326,6 @@ OWN_SERVER_START_S: Final = 30.0
 OTHER_LOOPBACK: Final = "127.0.0.2"
 
 
-async def _query(host: str, port: int) -> httpx.Response | None:
-    try:
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
-            return await http.get(f"http://{host}:{port}/query")
-    except httpx.HTTPError:
-        return None
-
-
 @case(
     "registration/4.4/5",
     "4.4-R14",
@@ -346,7 +338,7 @@ async def own_bootstrap_server_listens_everywhere(t: RegistrationCtx) -> None:
     p = await t.deploy(Script("accept"), own=True)
     port = p.own_bootstrap_port
     deadline = p.started + OWN_SERVER_START_S + SLACK_S
-    while (answer := await _query("127.0.0.1", port)) is None:
+    while (answer := await probe(f"http://127.0.0.1:{port}/query")) is None:
         expect(p.process.returncode is None, f"P exited: {p.process.tail()}")
         expect(
             time.monotonic() < deadline,
@@ -360,7 +352,7 @@ async def own_bootstrap_server_listens_everywhere(t: RegistrationCtx) -> None:
         f"GET /query at P's own bootstrap server 127.0.0.1:{port} answered HTTP "
         f"{answer.status_code}, not 200",
     )
-    other = await _query(OTHER_LOOPBACK, port)
+    other = await probe(f"http://{OTHER_LOOPBACK}:{port}/query")
     expect(
         other is not None,
         f"P's own bootstrap server answers at 127.0.0.1:{port} but not at {OTHER_LOOPBACK}:"

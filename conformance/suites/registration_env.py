@@ -21,10 +21,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
-import httpx
-
 from ..case import Case, Suite, WireLog, given
 from ..command import TemplateProcess, check, fill
+from ..peers.http import probe
 from ..peers.registrar import Registrar, Script
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_case
@@ -93,11 +92,8 @@ class Deployment:
         return self.process.output()
 
     async def healthy(self) -> bool:
-        try:
-            async with httpx.AsyncClient(timeout=2.0, trust_env=False) as http:
-                return (await http.get(f"{self.api}/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
+        got = await probe(f"{self.api}/health")
+        return got is not None and got.status_code == 200
 
     async def close(self) -> None:
         await self.process.stop()

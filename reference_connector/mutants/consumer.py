@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 from typing import Any
 
@@ -664,6 +665,13 @@ def _pulls_own_stage_only() -> None:
     replace(ConsumerSession, "_targets", targets)
 
 
+def _set_layout_id(agent: ConsumerAgent, layout_id: int) -> None:
+    """Make ``agent``'s D send ``layout_id`` from now on, having forgotten every echo."""
+    session = agent._session
+    session.config = dataclasses.replace(session.config, layout_id=layout_id)
+    session._acked.clear()
+
+
 @mutant(
     "new-layout-on-wake",
     "decode",
@@ -677,9 +685,28 @@ def _new_layout_on_wake() -> None:
     def wake_up(self: ReferenceAgent) -> None:
         original(self)
         if self.consumer is not None:
-            session = self.consumer._session
-            fresh = consumer_module.mint_layout_id()
-            session.config = dataclasses.replace(session.config, layout_id=fresh)
-            session._acked.clear()
+            _set_layout_id(self.consumer, consumer_module.mint_layout_id())
 
     replace(ReferenceAgent, "wake_up", wake_up)
+
+
+@mutant(
+    "layout-id-of-engine",
+    "decode",
+    "derives its layout_id from its engine id and ranks, so a D restarted under the same "
+    "engine id sends the same one",
+    at_start=True,
+)
+def _layout_id_of_engine() -> None:
+    from ..worker_agents import ReferenceAgent, WorkerContext
+
+    original = ReferenceAgent.__init__
+
+    def __init__(self: ReferenceAgent, ctx: WorkerContext, **kw: Any) -> None:
+        original(self, ctx, **kw)
+        if self.consumer is not None:
+            s = ctx.spec
+            key = hashlib.blake2b(f"{s.engine_id}/{s.tp_rank}/{s.pp_rank}".encode()).digest()
+            _set_layout_id(self.consumer, int.from_bytes(key[:7], "little") | 1)
+
+    replace(ReferenceAgent, "__init__", __init__)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from pdwire.http_models import RegisterReply, RegisterWorkerPayload
 
@@ -13,6 +14,9 @@ from .. import bootstrap_client
 from ..bootstrap_client import BootstrapError
 from ..producer_agent import ProducerAgent
 from . import mutant, replace
+
+if TYPE_CHECKING:
+    from ..node import NodeEngine
 
 
 def _register_with(**forced: Any) -> None:
@@ -120,6 +124,19 @@ def _only_rank0_registers() -> None:
     replace(ProducerAgent, "_register", _register)
 
 
+def _before_node_start(step: Callable[[NodeEngine], None]) -> None:
+    """Run ``step`` on the node's engine before its start."""
+    from .. import node  # loads torch, which listing the mutants does not need
+
+    original = node.NodeEngine.start
+
+    def start(self: NodeEngine) -> None:
+        step(self)
+        original(self)
+
+    replace(node.NodeEngine, "start", start)
+
+
 @mutant(
     "external-bootstrap-served-too",
     "prefill",
@@ -127,19 +144,15 @@ def _only_rank0_registers() -> None:
     at_start=True,
 )
 def _external_bootstrap_served_too() -> None:
-    from .. import node  # loads torch, which listing the mutants does not need
     from ..bootstrap import BootstrapServer
 
-    original = node.NodeEngine.start
-
-    def start(self: node.NodeEngine) -> None:
-        c = self.config
-        if c.role == "prefill" and self.bootstrap_url:
+    def serve(engine: NodeEngine) -> None:
+        c = engine.config
+        if c.role == "prefill" and engine.bootstrap_url:
             server = BootstrapServer(auth_key=c.auth_key)
-            self._bootstrap = server.start(c.bootstrap_host, c.bootstrap_port)
-        original(self)
+            engine._bootstrap = server.start(c.bootstrap_host, c.bootstrap_port)
 
-    replace(node.NodeEngine, "start", start)
+    _before_node_start(serve)
 
 
 @mutant(
@@ -149,15 +162,10 @@ def _external_bootstrap_served_too() -> None:
     at_start=True,
 )
 def _own_bootstrap_on_loopback() -> None:
-    from .. import node
+    def on_loopback(engine: NodeEngine) -> None:
+        engine.config = dataclasses.replace(engine.config, bootstrap_host="127.0.0.1")
 
-    original = node.NodeEngine.start
-
-    def start(self: node.NodeEngine) -> None:
-        self.config = dataclasses.replace(self.config, bootstrap_host="127.0.0.1")
-        original(self)
-
-    replace(node.NodeEngine, "start", start)
+    _before_node_start(on_loopback)
 
 
 @mutant(

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from conformance import case as case_module
-from conformance import traceability
+from conformance import cli, traceability
 from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases, case, expect
 from conformance.mutation import groups_of
 from conformance.report import write_html, write_json, write_junit
@@ -131,7 +131,6 @@ async def _answers_in_a_third_of_a_second(ctx: Any) -> None:
 def test_longer_waits_give_a_case_a_longer_bound() -> None:
     """``--timeout`` above the default stretches every case's bound in proportion, so a slow
     testee given long waits is not cut off by a bound sized for the default; it never shrinks."""
-    from conformance import cli
     from pdwire.cli import build_parser
 
     slow = _case(MUST, _answers_in_a_third_of_a_second, timeout=0.1)
@@ -279,3 +278,9 @@ def test_a_fake_peer_never_takes_an_address_one_had_before(monkeypatch: pytest.M
         holder.close()
     finally:
         ctx.term()
+
+
+def test_a_bad_d_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["consumer", "--api", "http://127.0.0.1:9", "--d-command", "pdwire node --port {nope}"]
+    assert cli.main(args) == cli.EXIT_USAGE
+    assert "{port}" in capsys.readouterr().err
