@@ -15,7 +15,7 @@ from pdwire.versions import LEGACY, PDWIRE_2
 from .cli_common import serve, standalone
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
-    from .node import NodeServer
+    from .node_api import NodeServer
 
 
 DEFAULT_PORT = 8000
@@ -148,7 +148,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{m.name:<28} {m.role:<8} {own:<10} {m.defect}")
         return 0
     from .kv_content import KVShape
-    from .node import NodeConfig, NodeServer, Policy
+    from .node import NodeConfig, Policy
+    from .node_api import NodeServer
     from .node_worker import Role, WorkerError
 
     if args.role is None:

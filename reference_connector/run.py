@@ -82,7 +82,8 @@ from pdwire.versions import PDWIRE_2, Profile
 
 from .kv_content import KVShape, render, tokenize
 from .kv_values import reference_completion
-from .node import NodeConfig, NodeServer
+from .node import NodeConfig
+from .node_api import NodeServer
 from .node_worker import Role
 from .proxy import Prefill, Proxy, ProxyServer
 

@@ -52,7 +52,7 @@ import httpx
 from pdwire.http_models import DecodeParams, PrefillParams
 from pdwire.versions import LEGACY, PDWIRE_2, WIRE_VERSION
 
-from .node import NodeServer
+from .node_api import NodeServer
 from .run import (
     MODEL,
     Case,

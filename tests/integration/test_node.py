@@ -24,7 +24,8 @@ import pytest
 from pdwire import error_strings
 from reference_connector.kv_content import KVShape, render, tokenize
 from reference_connector.kv_values import reference_completion
-from reference_connector.node import NodeConfig, NodeServer, Policy
+from reference_connector.node import NodeConfig, Policy
+from reference_connector.node_api import NodeServer
 from reference_connector.node_worker import WorkerError
 
 SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=4, num_blocks=192, vocab=256)

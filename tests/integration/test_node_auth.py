@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from pdwire import error_strings
-from reference_connector.node import NodeConfig, NodeServer
+from reference_connector.node import NodeConfig
+from reference_connector.node_api import NodeServer
 
 from .test_node import SHAPE, Cluster, probe, started
 

@@ -6,7 +6,8 @@ import pytest
 
 from reference_connector import worker_agents
 from reference_connector.kv_content import KVShape
-from reference_connector.node import NodeConfig, NodeServer
+from reference_connector.node import NodeConfig
+from reference_connector.node_api import NodeServer
 from reference_connector.node_worker import WorkerError
 from reference_connector.worker_agents import AgentLoadError, load_factory
 
