@@ -19,8 +19,10 @@ from ..peers.http import probe
 from ..peers.registrar import Attempt, Script
 from .registration_env import PORTLESS_HOST, Deployment, RegistrationCtx
 
-#: How late P's own timers may fire, as the harness sees them, on a loaded machine.
-SLACK_S: Final = 1.5
+#: How late P's own timers may fire, as the harness sees them, on a loaded machine (a backoff
+#: of 1 s has been seen to end 1.84 s late while the test suite ran on two workers and two cores).
+#: A P that does not back off at all still shows: its next attempt comes at once.
+SLACK_S: Final = 3.0
 #: How much earlier than P's backoff the next attempt may be seen (the harness sees P's close a
 #: moment after P made it).
 EARLY_S: Final = 0.1
