@@ -135,9 +135,8 @@ class Testbed:
     roles: set[testees.Role] = dataclasses.field(default_factory=set)  # those it was started with
     key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
     mutant_control: bool = False
-    proxy_mutant: str = ""  # the proxy suite starts the reference proxy with this defect
-    p_command_mutant: str = ""  # the registration suite starts each reference P with this one
-    d_command_mutant: str = ""  # the consumer cases that start a D start it with this one
+    mutant: str = ""  # a defect for the testees of ``mutant_role``, also those the cases start
+    mutant_role: str = ""
 
     @property
     def auth_key(self) -> bytes | None:
@@ -154,9 +153,7 @@ class Testbed:
         processes); ``mutant`` goes to the node of ``role``."""
         self.mutant_control = mutant_control
         self.roles = set(roles)
-        self.proxy_mutant = mutant if role == "proxy" else ""
-        self.p_command_mutant = mutant if role == "prefill" else ""
-        self.d_command_mutant = mutant if role == "decode" else ""
+        self.mutant, self.mutant_role = mutant, role
         if self.layout.keyed and not self.key_file:
             fd, self.key_file = tempfile.mkstemp(prefix="pdwire-conformance-", suffix=".key")
             with os.fdopen(fd, "wb") as f:
@@ -168,7 +165,7 @@ class Testbed:
                     start,
                     r,
                     self.layout,
-                    mutant if r == role else "",
+                    self.mutant_of(r),
                     mutant_control,
                     self.key_file,
                 )
@@ -182,6 +179,11 @@ class Testbed:
         errors = [e for e in got if isinstance(e, BaseException)]
         if errors:
             raise errors[0]
+
+    def mutant_of(self, role: str) -> str:
+        """The mutant of a testee of ``role`` ("" = none): a node of this testbed, or a proxy,
+        P or D that a case starts from a reference command."""
+        return self.mutant if role == self.mutant_role else ""
 
     async def restart(self, role: testees.Role) -> None:
         node = self.nodes.pop(role, None)
@@ -245,7 +247,7 @@ async def run_suites(
             receive_timeout=RECEIVE_TIMEOUT,
             request_timeout=timeout,
             auth_key=bed.auth_key,
-            d_command=reference_d_command(bed.d_command_mutant),
+            d_command=reference_d_command(bed.mutant_of("decode")),
         )
         results += await run_consumer(copts, cases, options, on_result)
     if Suite.PAIR in wanted and p is not None and d is not None:
@@ -258,12 +260,12 @@ async def run_suites(
     if Suite.PROXY in wanted:
         from .suites.proxy_env import reference_options, run_proxy
 
-        proxyopts = reference_options(bed.proxy_mutant, timeout)
+        proxyopts = reference_options(bed.mutant_of("proxy"), timeout)
         results += await run_proxy(proxyopts, cases, options, on_result)
     if Suite.REGISTRATION in wanted:
         from .suites import registration_env
 
-        regopts = registration_env.reference_options(bed.p_command_mutant, timeout)
+        regopts = registration_env.reference_options(bed.mutant_of("prefill"), timeout)
         results += await registration_env.run_registration(regopts, cases, options, on_result)
     return results
 
@@ -317,10 +319,7 @@ async def run_self(
     role; the results in the order of ``cases``. The suites that start testees of their own
     (``BESIDE``) run beside the others: most of their time is waiting for those to start."""
     role = testees.mutants()[mutant].role if mutant else ""
-    own = Testbed(
-        proxy_mutant=mutant if role == "proxy" else "",
-        p_command_mutant=mutant if role == "prefill" else "",
-    )
+    own = Testbed(mutant=mutant, mutant_role=role)
     beside = [c for c in cases if c.suite in BESIDE]
     alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
     try:
