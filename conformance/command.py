@@ -11,11 +11,14 @@ import shlex
 import signal
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
-from .case import WireLog
+import httpx
+
+from .case import WireLog, expect
+from .peers.http import probe
 
 STOP_S: Final = 5.0  # from SIGTERM to SIGKILL
 
@@ -75,6 +78,24 @@ class TemplateProcess:
         raise RuntimeError(
             f"the {self.what} did not listen at {url} within {timeout}s: {self.tail()}"
         )
+
+    async def wait_answer(
+        self,
+        url: str,
+        until: float,
+        accept: Callable[[httpx.Response], bool] = lambda r: r.status_code == 200,
+        http: httpx.AsyncClient | None = None,
+    ) -> httpx.Response | None:
+        """Poll ``GET url`` until an answer ``accept`` takes (by default, HTTP 200), and return
+        it; None when ``until`` (monotonic) comes first; ``CaseFailed`` when the process exits."""
+        while True:
+            got = await probe(url, http)
+            if got is not None and accept(got):
+                return got
+            expect(self.returncode is None, f"{self.what} exited: {self.tail()}")
+            if time.monotonic() >= until:
+                return None
+            await asyncio.sleep(0.2)  # polling another process's server: nothing to await
 
     def output(self) -> str:
         try:

@@ -29,7 +29,7 @@ from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, ex
 from ..command import TemplateProcess, fill
 from ..peers.engine import Engine
 from ..peers.fake_p import DEFAULT_CAPS, FakeP, FakePConfig, Received, Source
-from ..peers.http import HttpResult, probe, request, request_id, transfer_id
+from ..peers.http import HttpResult, request, request_id, transfer_id
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
@@ -155,17 +155,11 @@ class ConsumerCtx:
         self._own = TemplateProcess("D", fill(template, values, "D"), env, self.log)
         self.api = f"http://127.0.0.1:{port}"
         await self._own.spawn()
-        deadline = time.monotonic() + D_START_S
+        until = time.monotonic() + D_START_S
         await self._own.wait_listening(self.api, D_START_S)
-        while not await self._healthy():
-            expect(self._own.returncode is None, f"D exited: {self._own.tail()}")
-            expect(time.monotonic() < deadline, f"D did not answer /health within {D_START_S}s")
-            await asyncio.sleep(0.2)  # polling D's /health: nothing to await
+        healthy = await self._own.wait_answer(f"{self.api}/health", until, http=self.env.http)
+        expect(healthy is not None, f"D did not answer /health within {D_START_S}s")
         self.log.note(f"D started from the --d-command template at {self.api}")
-
-    async def _healthy(self) -> bool:
-        got = await probe(f"{self.api}/health", self.env.http)
-        return got is not None and got.status_code == 200
 
     # -- fake P's ----------------------------------------------------------------------------
 

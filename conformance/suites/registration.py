@@ -248,11 +248,9 @@ async def every_worker_registers_at_the_external_server(t: RegistrationCtx) -> N
     p = await t.deploy(Script("accept", hold=HOLD_S))
     await _first_registration(t, p)
     await _probe_while_held(t, p)
-    deadline = time.monotonic() + t.options.start_timeout
-    while not await p.healthy():
-        expect(p.process.returncode is None, f"P exited: {p.process.tail()}")
-        expect(time.monotonic() < deadline, "P did not answer /health within its start bound")
-        await asyncio.sleep(0.2)  # polling P's /health: nothing to await
+    until = time.monotonic() + t.options.start_timeout
+    healthy = await p.process.wait_answer(f"{p.api}/health", until)
+    expect(healthy is not None, "P did not answer /health within its start bound")
     registered = {a.worker for a in p.registrar.registrations() if a.answered}
     sizes = _sizes(t, p)
     expected = {(tp, pp) for tp in range(sizes[0]) for pp in range(sizes[1])}
@@ -339,15 +337,14 @@ async def own_bootstrap_server_listens_everywhere(t: RegistrationCtx) -> None:
     30 s of its start, at port VLLM_MOONCAKE_BOOTSTRAP_PORT of every address (0.0.0.0)."""
     p = await t.deploy(Script("accept"), own=True)
     port = p.own_bootstrap_port
-    deadline = p.started + OWN_SERVER_START_S + SLACK_S
-    while (answer := await probe(f"http://127.0.0.1:{port}/query")) is None:
-        expect(p.process.returncode is None, f"P exited: {p.process.tail()}")
-        expect(
-            time.monotonic() < deadline,
-            f"P serves no bootstrap server at 127.0.0.1:{port} (VLLM_MOONCAKE_BOOTSTRAP_PORT) "
-            f"{OWN_SERVER_START_S:.0f}s after its start",
-        )
-        await asyncio.sleep(0.2)  # polling P's port: nothing to await
+    until = p.started + OWN_SERVER_START_S + SLACK_S
+    answer = await p.process.wait_answer(f"http://127.0.0.1:{port}/query", until, lambda _: True)
+    expect(
+        answer is not None,
+        f"P serves no bootstrap server at 127.0.0.1:{port} (VLLM_MOONCAKE_BOOTSTRAP_PORT) "
+        f"{OWN_SERVER_START_S:.0f}s after its start",
+    )
+    assert answer is not None
     t.log.received(f"http 127.0.0.1:{port}", f"GET /query: HTTP {answer.status_code}")
     expect(
         answer.status_code == 200,

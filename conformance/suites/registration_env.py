@@ -23,7 +23,6 @@ from typing import Final
 
 from ..case import Case, Suite, WireLog, given
 from ..command import TemplateProcess, check, fill
-from ..peers.http import probe
 from ..peers.registrar import Registrar, Script
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_case
@@ -90,10 +89,6 @@ class Deployment:
 
     def output(self) -> str:
         return self.process.output()
-
-    async def healthy(self) -> bool:
-        got = await probe(f"{self.api}/health")
-        return got is not None and got.status_code == 200
 
     async def close(self) -> None:
         await self.process.stop()
