@@ -58,10 +58,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# TEST_WORKERS=2: pytest-xdist workers, each running whole modules (tests/conftest.py); much of
-# the suite waits on processes and timers, time that a second worker fills. 0: one process (the
-# registration cases time P's backoffs, which two workers on two cores have skewed by 0.4 s).
-TEST_WORKERS ?= 0
+# pytest-xdist workers, each running whole modules (tests/conftest.py); much of the suite waits
+# on processes and timers, time that a second worker fills. TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) sysdeps lint docs
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 

@@ -1,5 +1,5 @@
-"""The order of the suite: the longest modules first. With ``TEST_WORKERS=2 make test``
-pytest-xdist shares the modules out among two workers (``--dist loadfile``: each module runs
+"""The order of the suite: the longest modules first. ``make test`` has pytest-xdist share
+the modules out among two workers (``TEST_WORKERS``; ``--dist loadfile``: each module runs
 whole on one worker, so that its fixtures start once; the vLLM servers of
 ``tests/vllm_connector/test_e2e.py`` would otherwise start on both), and no long module starts
 near the end to run alone (the Makefile passes ``--no-loadscope-reorder``, else xdist would run

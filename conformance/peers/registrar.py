@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, Final, Literal
 
 from ..case import WireLog
+from .loop_lag import LoopLag
 from .loop_server import bind
 
 Answer = Literal["stall", "reject", "accept"]
@@ -83,6 +84,7 @@ class Registrar:
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Condition()
+        self.lag = LoopLag()  # how late the times of ``attempts`` may have been read
         self.port = 0
 
     @property
@@ -97,8 +99,10 @@ class Registrar:
         sock = bind()
         self.port = sock.getsockname()[1]
         self._server = await asyncio.start_server(self._accept, sock=sock, limit=READ_LIMIT)
+        self.lag.start()
 
     async def stop(self) -> None:
+        await self.lag.stop()
         if self._server is not None:
             self._server.close()
         for task in list(self._handlers):
