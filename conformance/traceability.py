@@ -55,9 +55,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "10.7.8": _GEOMETRY,
     "10.8.14": _GEOMETRY,
     "10.10.7": _GEOMETRY,
-    "10.10.8": "D sends a release-only request when its prefix cache holds the whole prompt or "
-    "the request was aborted before D allocated blocks; neither can be brought about "
-    "through a D's API here (tests/unit/test_consumer.py checks pdwire's D)",
     "10.10.9": "what D reports to its own scheduler is inside D "
     "(tests/unit/test_consumer.py checks pdwire's D)",
 }

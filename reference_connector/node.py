@@ -94,6 +94,9 @@ class Job:
     max_tokens: int
     params: dict[str, Any] | None
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids: a generated one ends the request
+    #: set when the client has gone away; the node stops waiting for blocks then (an abort
+    #: after the blocks are allocated lets the request run to its end)
+    aborted: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 @dataclasses.dataclass
@@ -344,7 +347,7 @@ class NodeEngine:
             )
         return table
 
-    async def _allocate(self, n: int) -> list[int]:
+    async def _allocate(self, n: int, job: Job) -> list[int]:
         deadline = time.monotonic() + self.config.alloc_timeout
         while True:
             try:
@@ -353,6 +356,8 @@ class NodeEngine:
                 raise NodeError(400, f"the request is too long for this node: {exc}") from None
             if blocks is not None:
                 return blocks
+            if job.aborted.is_set():
+                raise NodeError(499, "the client went away while the request waited for blocks")
             if time.monotonic() >= deadline:
                 raise NodeError(
                     503,
@@ -398,7 +403,9 @@ class NodeEngine:
 
     async def _local(self, job: Job) -> Generation:
         t0 = time.perf_counter()
-        blocks = await self._allocate(self.config.shape.blocks_for(len(job.ids) + job.max_tokens))
+        blocks = await self._allocate(
+            self.config.shape.blocks_for(len(job.ids) + job.max_tokens), job
+        )
         timings = {"queue": _ms(t0)}
         done = [False]
         try:
@@ -452,7 +459,7 @@ class NodeEngine:
 
     async def _prefill_remote(self, job: Job, transfer_id: str) -> Generation:
         t0 = time.perf_counter()
-        blocks = await self._allocate(self.config.shape.blocks_for(len(job.ids)))
+        blocks = await self._allocate(self.config.shape.blocks_for(len(job.ids)), job)
         timings = {"queue": _ms(t0)}
         send = _Send(blocks, set(range(len(self.workers))))
         with self._lock:
@@ -498,7 +505,11 @@ class NodeEngine:
     async def _decode_remote(self, job: Job, p: dict[str, Any]) -> Generation:
         t0 = time.perf_counter()
         shape = self.config.shape
-        blocks = await self._allocate(shape.blocks_for(len(job.ids) + job.max_tokens))
+        try:
+            blocks = await self._allocate(shape.blocks_for(len(job.ids) + job.max_tokens), job)
+        except NodeError:
+            await self._release_only(job, p)
+            raise
         timings = {"queue": _ms(t0)}
         prompt_blocks = blocks[: shape.blocks_for(len(job.ids))]
         loop = asyncio.get_running_loop()
@@ -546,6 +557,18 @@ class NodeEngine:
         if failure is not None:
             extra["failure"] = failure
         return self._decoding(job, blocks, table, timings, done, params, extra)
+
+    async def _release_only(self, job: Job, p: dict[str, Any]) -> None:
+        """D will not load this request (§10.10.8): pull it with no blocks, so that P frees its
+        own without waiting for its expiry. The workers' sessions never report it."""
+        args = (str(p["transfer_id"]), str(p["remote_engine_id"]), str(p["remote_bootstrap_addr"]))
+        results = await asyncio.gather(
+            *(w.acall("load", job.req, *args, [], 0, timeout=5.0) for w in self.workers),
+            return_exceptions=True,
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                logger.warning("request %s: release-only pull not sent: %s", job.req, r)
 
     async def _load(
         self,

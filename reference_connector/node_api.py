@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Self
 
 from fastapi import FastAPI, Request
@@ -69,6 +70,21 @@ def _max_tokens(body: dict[str, Any]) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise NodeError(400, f"max_tokens must be an integer, got {value!r}")
     return value
+
+
+async def _unless_gone(request: Request, job: Job, work: Awaitable[Generation]) -> Generation:
+    """``work``, with ``job.aborted`` set should the client go away meanwhile."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.aborted.set()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await work
+    finally:
+        watcher.cancel()
 
 
 class _Reply:
@@ -238,7 +254,7 @@ def create_app(engine: NodeEngine) -> FastAPI:
                 params if isinstance(params, dict) else None,
                 _stop_ids(body),
             )
-            gen = await engine.generate(job)
+            gen = await _unless_gone(request, job, engine.generate(job))
         except NodeError as exc:
             engine.counts["errors"] += 1
             return _error(exc)

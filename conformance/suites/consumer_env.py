@@ -266,14 +266,16 @@ class ConsumerCtx:
         transfer: str | None = None,
         params: dict[str, Any] | None = None,
         timeout: float | None = None,
+        body: dict[str, Any] | None = None,
         **extra: Any,
     ) -> Leg:
         """Send D the D leg of a new request for ``fake``'s engine; D answers in the
-        background (``Leg.result``). ``extra`` goes into kv_transfer_params."""
+        background (``Leg.result``). ``body`` adds to the completion request's body, ``extra``
+        to its kv_transfer_params."""
         ids = prompt or self.prompt()
         tid = transfer or transfer_id()
         kv = params if params is not None else self.params(fake, tid, **extra)
-        task = asyncio.create_task(self.complete(ids, kv, timeout=timeout))
+        task = asyncio.create_task(self.complete(ids, kv, timeout=timeout, **(body or {})))
         self._tasks.append(task)
         return Leg(ids, tid, kv, task, time.monotonic())
 
@@ -305,7 +307,7 @@ class ConsumerCtx:
 
     async def serve_leg(self, fake: FakeP, leg: Leg) -> Received:
         """D's pull for ``leg``, served with written bytes and FINISH."""
-        rx = await self.pull(fake, match=lambda r: _names(r, leg.transfer_id))
+        rx = await self.pull(fake, match=lambda r: names(r, leg.transfer_id))
         await fake.serve(rx)
         return rx
 
@@ -314,7 +316,7 @@ class ConsumerCtx:
         return [
             await self.pull(
                 fake,
-                match=lambda r: _names(r, leg.transfer_id),
+                match=lambda r: names(r, leg.transfer_id),
                 what=f"pull {had + i + 1} (of the {had + count} the request needs)",
             )
             for i in range(count)
@@ -323,7 +325,7 @@ class ConsumerCtx:
     async def all_pulls(self, fake: FakeP, leg: Leg) -> list[Received]:
         """Every pull D sends ``fake`` for ``leg``: as many as the TP and PP sizes of both sides
         make (§10.1, §10.2), those of the first pull giving D's."""
-        first = await self.pull(fake, match=lambda r: _names(r, leg.transfer_id))
+        first = await self.pull(fake, match=lambda r: names(r, leg.transfer_id))
         assert first.pull is not None
         c = fake.config
         count = paired_pulls(c.tp, c.pp, first.pull.remote_tp_size, first.pull.remote_pp_size)
@@ -426,7 +428,8 @@ def consumer_case(case_id: str, requirement: str, **kw: Any) -> Callable[[CaseFu
     return case(case_id, requirement, **kw)
 
 
-def _names(rx: Received, transfer: str) -> bool:
+def names(rx: Received, transfer: str) -> bool:
+    """Whether ``rx`` is a pull that names the request of ``transfer``."""
     return rx.pull is not None and any(t == transfer for t, _ in rx.pull.req_blocks.values())
 
 

@@ -478,6 +478,20 @@ def _discards_loaded_kv() -> None:
 
 
 @mutant(
+    "no-release-on-abort",
+    "decode",
+    "sends P nothing for a request aborted while it waited for blocks",
+)
+def _no_release_on_abort() -> None:
+    from ..node import NodeEngine
+
+    async def release_only(self: NodeEngine, job: Any, p: Any) -> None:
+        return None
+
+    replace(NodeEngine, "_release_only", release_only)
+
+
+@mutant(
     "invalid-params-fail",
     "decode",
     "fails a D leg that lacks a field instead of computing the prompt itself",

@@ -89,3 +89,5 @@ def test_consumer_suite_against_vllm(decode: testees.Testee, tmp_path: Path) -> 
     code, verdicts = _run(tmp_path, "consumer", args)
     assert code == cli.EXIT_OK, {i: v for i, v in verdicts.items() if v == "fail"}
     assert verdicts["consumer/3.4/2"] == "pass"
+    # vLLM's worker code sends the release-only pull the node asks for (§10.10.8)
+    assert verdicts["consumer/10.10/4"] == "pass", verdicts["consumer/10.10/4"]
