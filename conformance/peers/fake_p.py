@@ -110,7 +110,9 @@ class Received:
             return f"a cancel of {self.cancel.cancel_reqs}"
         assert self.pull is not None
         reqs = {d: t for d, (t, _) in self.pull.req_blocks.items()}
-        return f"a pull for {reqs} (pdwire_version {self.pull.pdwire_version})"
+        release = not any(any(groups) for _, groups in self.pull.req_blocks.values())
+        what = "a release-only pull" if release else "a pull"
+        return f"{what} for {reqs} (pdwire_version {self.pull.pdwire_version})"
 
 
 @dataclasses.dataclass(frozen=True)
