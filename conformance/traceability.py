@@ -36,7 +36,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
     "which no request to a testee here produces",
     "3.5-R10": _IN_FLIGHT,
-    "3.5-R11": _IN_FLIGHT,
     "6.3-R1": _IN_FLIGHT,
     "10.9.2": _IN_FLIGHT,
     "4.4-R13": _DEPLOYMENT,

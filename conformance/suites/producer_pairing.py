@@ -9,6 +9,9 @@ KV of every head of every layer, and every other D must receive exactly its slic
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
 from typing import Any, Final
 
 from pdwire import error_strings
@@ -347,6 +350,39 @@ def served(r: PullResult, d_req: str) -> bool:
     return r.status is FINISH and d_req in r.ok()
 
 
+@dataclasses.dataclass(frozen=True)
+class HalfPulled:
+    """A ready transfer that the even TP ranks of a fake D of twice P's TP have pulled."""
+
+    transfer: str
+    d_req: str
+    others: list[DWorker]  # the odd ranks, which have not
+    taken: dict[DWorker, list[int]]  # the blocks each even rank pulled into
+
+
+@contextlib.asynccontextmanager
+async def half_pulled(t: ProducerCtx) -> AsyncIterator[HalfPulled]:
+    (tid,) = await t.ready(1)
+    d_req = t.new_d_req()
+    workers = t.d_workers(2 * t.p_tp)
+    loading = [w for w in workers if w.side.tp_rank % 2 == 0]
+    taken = {w: w.take(t.blocks_for()) for w in loading}
+    try:
+        await pull_each(t, loading, tid, d_req, taken)
+        yield HalfPulled(tid, d_req, [w for w in workers if w not in loading], taken)
+    finally:
+        for w, blocks in taken.items():
+            w.give_back(blocks)
+
+
+async def expect_settled(t: ProducerCtx, h: HalfPulled, timeout: float, after: str) -> None:
+    """P has settled ``h``'s transfer: the first even rank's pull again is not served."""
+    again, blocks = next(iter(h.taken.items()))
+    for addr in t.targets(again):
+        r = await t.pull(again, addr, {h.d_req: (h.transfer, [blocks])}, timeout=timeout)
+        expect(not served(r, h.d_req), f"{addr}: served a pull after {after}")
+
+
 @case(
     "producer/10.3/3",
     "10.3.3",
@@ -357,29 +393,14 @@ def served(r: PullResult, d_req: str) -> bool:
 async def release_only_pull_counts(t: ProducerCtx) -> None:
     """A release-only pull (empty block lists) is answered ok and counts as served: once the
     other paired D rank pulled too, P drops the transfer, and a further pull is not served."""
-    (tid,) = await t.ready(1)
-    d_req = t.new_d_req()
-    workers = t.d_workers(2 * t.p_tp)
-    loading = [w for w in workers if w.side.tp_rank % 2 == 0]
-    taken = {w: w.take(t.blocks_for()) for w in loading}
-    try:
-        await pull_each(t, loading, tid, d_req, taken)
-        releasing = [w for w in workers if w not in loading]
-        groups = await asyncio.gather(*(t.pull_to_targets(w, tid, d_req, []) for w in releasing))
-        for w, addr, r in (p for g in groups for p in g):
-            t.expect_ok(w, addr, r, d_req)
+    async with half_pulled(t) as h:
+        pulls = (t.pull_to_targets(w, h.transfer, h.d_req, []) for w in h.others)
+        for w, addr, r in (p for g in await asyncio.gather(*pulls) for p in g):
+            t.expect_ok(w, addr, r, h.d_req)
             expect(w.stray_bytes() == 0, f"{describe(w)}: a release-only pull wrote bytes")
-        again = loading[0]
-        for addr in t.targets(again):
-            r = await t.pull(again, addr, {d_req: (tid, [taken[again]])}, timeout=SHORT)
-            expect(
-                not served(r, d_req),
-                f"{addr}: served a pull after every paired D rank had pulled (a release-only "
-                "pull was not counted)",
-            )
-    finally:
-        for w, blocks in taken.items():
-            w.give_back(blocks)
+        await expect_settled(
+            t, h, SHORT, "every paired D rank had pulled (a release-only pull was not counted)"
+        )
 
 
 @case(

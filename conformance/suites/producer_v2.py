@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -27,83 +26,6 @@ FINISH, ERROR = XferResponseStatus.FINISH, XferResponseStatus.ERROR
 MISS = XferResponseStatus.LAYOUT_MISS
 V2_KEYS: Final = frozenset({"pdwire_version", "pdwire_caps", "err_code", "err_codes", "auth_tag"})
 QUICK: Final = 1.0  # an answer due at once must come within this
-
-
-def not_served(r: PullResult, d_req: str) -> bool:
-    return not (r.status is FINISH and d_req in r.ok())
-
-
-# -- XferCancel (§3.5) ------------------------------------------------------------------------
-
-
-@case(
-    "producer/3.5/1",
-    "3.5-R12",
-    covers=("3.5-R7", "3.5-R8", "3.5-R9", "3.5-R13", "3.1-R7", "10.11.2", "7.1-R4"),
-    caught_by=("cancel-ignored", "cancel-lists-all"),
-    risk=10,
-)
-async def cancel_ends_a_waiting_pull(t: ProducerCtx) -> None:
-    """A cancel withdraws a waiting pull: the cancel gets FINISH listing the request (and no
-    request P held nothing for), the pull ends at once with it in err_reqs, "Request
-    cancelled by the consumer." and the code CANCELLED."""
-    t.require_cap(Capability.CANCEL)
-    worker = t.worker(1, 0)
-    waiting, unknown = t.new_d_req(), t.new_d_req()
-    tid = t.new_transfer_id()
-    addr = t.addr()
-    pull = asyncio.create_task(
-        t.pull(worker, addr, {waiting: (tid, [[0]])}, announce=True, timeout=QUICK + 1.0)
-    )
-    await asyncio.sleep(0.2)  # the pull must be waiting at P: nothing to await from outside
-    start = time.monotonic()
-    reply = await t.cancel(worker, addr, {waiting: tid, unknown: t.new_transfer_id()})
-    r = await pull
-    expect(
-        reply.status is FINISH and len(reply.replies) == 1,
-        f"the cancel: expected one FINISH, got {reply.describe()}",
-    )
-    expect_equal(sorted(reply.ok()), [waiting], "the cancel's ok_reqs")
-    expect(time.monotonic() - start < QUICK, "the cancelled pull did not end at once")
-    expect_failed(r, waiting, "the cancelled pull", {"CANCELLED": error_strings.CANCELLED})
-    assert r.terminal is not None
-    expect_equal((r.terminal.err_codes or {}).get(waiting), "CANCELLED", "err_codes")
-
-
-@case(
-    "producer/3.5/2",
-    "3.5-R15",
-    covers=("3.5-R14", "10.3.5", "3.5-R9"),
-    caught_by=("cancel-not-counted",),
-)
-async def cancel_counts_as_settled(t: ProducerCtx) -> None:
-    """With D's TP twice P's, one paired D rank pulls and the other cancels: the transfer is
-    settled, P frees it at once, and a further pull is not served."""
-    t.require_cap(Capability.CANCEL)
-    (tid,) = await t.ready(1)
-    d_req = t.new_d_req()
-    workers = t.d_workers(2 * t.p_tp)
-    loading = [w for w in workers if w.side.tp_rank % 2 == 0]
-    taken = {w: w.take(t.blocks_for()) for w in loading}
-    try:
-        await pull_each(t, loading, tid, d_req, taken)
-        for w in (w for w in workers if w not in loading):
-            for addr in t.targets(w):
-                reply = await t.cancel(w, addr, {d_req: tid})
-                expect(
-                    reply.status is FINISH and reply.ok() == [d_req],
-                    f"a cancel to {addr}: expected FINISH listing {d_req}, got {reply.describe()}",
-                )
-        again = loading[0]
-        for addr in t.targets(again):
-            r = await t.pull(again, addr, {d_req: (tid, [taken[again]])}, timeout=QUICK)
-            expect(
-                not_served(r, d_req),
-                f"{addr}: served a pull after every paired D rank pulled or cancelled",
-            )
-    finally:
-        for w, blocks in taken.items():
-            w.give_back(blocks)
 
 
 @case(

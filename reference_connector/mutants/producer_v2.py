@@ -14,13 +14,16 @@ from pdwire.events import (
     FreeReason,
     MessageReceived,
     SendReply,
+    StartWrite,
     TransferFinished,
     TransferStarted,
     TransferWillNotSend,
+    WriteCompleted,
 )
 from pdwire.messages import ErrorCode, XferCancel, XferMetadataV2, XferResponseV2
 from pdwire.messages import XferResponseStatus as Status
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
+from pdwire.planning import PlanError, descriptors
 from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.transitions import TERMINAL
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, Capability
@@ -193,6 +196,48 @@ def _cancel_ignored() -> None:
         self._reply(ev.identity, agreement, XferResponseV2(Status.FINISH))
 
     replace(ProducerSession, "_on_cancel", on_cancel)
+
+
+@mutant(
+    "writes-after-cancel",
+    "prefill",
+    "ends a cancelled pull as it must, yet writes the withdrawn request's blocks once its "
+    "transfer is ready",
+)
+def _writes_after_cancel() -> None:
+    on_cancel = ProducerSession._on_cancel
+    on_finished = ProducerSession._on_finished
+    on_write_completed = ProducerSession._on_write_completed
+    withdrawn: dict[str, list[tuple[Any, str]]] = {}  # transfer_id -> [(pull, d_req_id)]
+    stray: set[int] = set()  # the ids of those writes, whose completions no pull awaits
+
+    def cancel(self: ProducerSession, ev: MessageReceived, msg: XferCancel, now: float) -> None:
+        for pull in self._pulls.values():
+            for d_req, transfer_id in msg.cancel_reqs.items():
+                if pull.pending.get(d_req) == transfer_id:
+                    withdrawn.setdefault(transfer_id, []).append((pull, d_req))
+        on_cancel(self, ev, msg, now)
+
+    def finished(self: ProducerSession, ev: TransferFinished, now: float) -> None:
+        on_finished(self, ev, now)
+        for pull, d_req in withdrawn.pop(ev.transfer_id, []):
+            planned = descriptors(pull.plan, ev.blocks, pull.msg.req_blocks[d_req][1])
+            if isinstance(planned, PlanError):
+                continue
+            write_id = next(self._ids)
+            stray.add(write_id)
+            peer = f"{pull.msg.remote_hostname}:{pull.msg.remote_port}"
+            self._out.append(StartWrite(write_id, peer, planned, (d_req,)))
+
+    def write_completed(self: ProducerSession, ev: WriteCompleted, now: float) -> None:
+        if ev.write_id in stray:
+            stray.discard(ev.write_id)
+            return
+        on_write_completed(self, ev, now)
+
+    replace(ProducerSession, "_on_cancel", cancel)
+    replace(ProducerSession, "_on_finished", finished)
+    replace(ProducerSession, "_on_write_completed", write_completed)
 
 
 @mutant("cancel-not-counted", "prefill", "does not count a cancelled pull as settled")
