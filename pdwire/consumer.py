@@ -125,6 +125,10 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         load = self._loads.get(d_req_id)
         return None if load is None else load.state
 
+    def knows_engine(self, engine_id: str) -> bool:
+        """Whether D holds the /query entry of ``engine_id``: a load for it pulls at once."""
+        return engine_id in self._engines
+
     @property
     def open_pulls(self) -> int:
         return len(self._pulls)
