@@ -87,7 +87,7 @@ async def deadline_ms_bounds_the_wait(t: ConsumerCtx) -> None:
     left_ms = (budget - (rx.t - leg.sent)) * 1000
     sent_ms = rx.pull.deadline_ms
     expect(
-        0 < sent_ms <= left_ms + DEADLINE_SLACK_MS,
+        0 < sent_ms <= min(budget * 1000, left_ms + DEADLINE_SLACK_MS),
         f"the pull's deadline_ms is {sent_ms}: at most the {left_ms:.0f} ms left of the "
         f"request's {budget * 1000:.0f} ms when it arrived",
     )
@@ -125,9 +125,10 @@ async def deadline_ms_bounds_the_wait(t: ConsumerCtx) -> None:
     expect(took < budget + 2 * SLACK, f"D answered {took:.2f}s after a deadline of {budget}s")
 
 
-#: How far a pull's deadline_ms may exceed the time left when it arrives: clocks are read at
-#: different moments on each side.
-DEADLINE_SLACK_MS = 50
+#: How far a pull's deadline_ms may exceed the time left when it arrives (never the whole
+#: budget): clocks are read at different moments on each side, and the D leg spends time on its
+#: way to D, which a loaded machine makes longer.
+DEADLINE_SLACK_MS = 250
 
 
 @consumer_case(
