@@ -14,6 +14,7 @@ worker's version, 8.2-R2), and would apply it to the newcomer.
 from __future__ import annotations
 
 import functools
+import os
 import random
 import socket
 from contextlib import closing
@@ -31,15 +32,27 @@ _bound: set[int] = set()  # every port ``bind_fresh`` tried in this process
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
+#: ``K/N``: this process and its children pick from the K-th of N equal slices of the range, so
+#: that N runs side by side (pytest's workers) never pick a port another has not bound yet.
+SHARE_ENV: Final = "PDWIRE_PORT_SHARE"
+
+
 @functools.cache
 def _pick_range() -> tuple[int, int]:
-    """``PICK_RANGE``, cut to end below the ephemeral range where that starts lower."""
+    """``PICK_RANGE``, cut to end below the ephemeral range where that starts lower, and to this
+    process's slice of it (``SHARE_ENV``)."""
     low, high = PICK_RANGE
     try:
         ephemeral_low = int(_EPHEMERAL.read_text().split()[0])
     except (OSError, ValueError, IndexError):
-        return low, high
-    return (low, min(high, ephemeral_low)) if ephemeral_low > low + 1000 else (low, high)
+        ephemeral_low = high
+    if ephemeral_low > low + 1000:
+        high = min(high, ephemeral_low)
+    k, _, n = os.environ.get(SHARE_ENV, "0/1").partition("/")
+    if k.isdigit() and n.isdigit() and 0 <= int(k) < int(n):
+        step = (high - low) // int(n)
+        low, high = low + int(k) * step, low + (int(k) + 1) * step
+    return low, high
 
 
 def free_port(host: str = "127.0.0.1") -> int:

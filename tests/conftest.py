@@ -8,9 +8,12 @@ the modules with the most tests first).
 
 from __future__ import annotations
 
+import os
 from typing import Final
 
 import pytest
+
+from conformance import ports
 
 #: The modules that take minutes (paths from the repository root). xdist gives the first two to
 #: the two workers, and the third to the first worker after the first: the vLLM servers of
@@ -21,6 +24,15 @@ LONGEST: Final = (
     "tests/harness/test_self.py",
     "tests/vllm_connector/test_e2e.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each xdist worker, and what it starts, picks free ports from a slice of its own: a port
+    picked for a server that binds it minutes later is never picked by the other worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit():
+        os.environ[ports.SHARE_ENV] = f"{worker[2:]}/{count}"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
