@@ -20,11 +20,6 @@ _DEPLOYMENT = (
     "server, where, and which DP rank a worker registers: it follows from a multi-node or "
     "data-parallel deployment that the registration suite's single P on loopback does not have"
 )
-_IN_FLIGHT = (
-    "the order of a write in flight and a timer or cancel inside P: a black box shows no moment "
-    "a write is in flight (pdwire's producer session is checked in tests/unit/test_producer.py "
-    "and tests/unit/test_state_machines.py)"
-)
 _GEOMETRY = (
     "a KV-cache geometry the testees here do not have (hybrid KV-cache manager, Mamba, "
     "kernel blocks smaller than blocks, shared groups, packed rows): the harness can only check "
@@ -35,17 +30,12 @@ UNCOVERED: Final[dict[str, str]] = {
     "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
     "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
     "which no request to a testee here produces",
-    "3.5-R10": _IN_FLIGHT,
-    "6.3-R1": _IN_FLIGHT,
-    "10.9.2": _IN_FLIGHT,
     "4.4-R13": _DEPLOYMENT,
     "4.4-R15": _DEPLOYMENT,
     "4.4-R16": _DEPLOYMENT,
     "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "
     "T after the pull and before its placeholder expires, also at T (§6.2); "
     "tests/unit/test_producer.py checks pdwire's producer session",
-    "8.4-R6": "no wire version after pdwire/2 exists yet to add a status or a message type",
-    "8.4-R8": "a rule of pdwire's library API, not of the wire: tests/unit/test_negotiation.py",
     "10.2.8": _GEOMETRY,
     "10.4.7": _GEOMETRY,
     "10.6.3": _GEOMETRY,

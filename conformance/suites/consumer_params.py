@@ -235,7 +235,7 @@ async def one_pull_carries_the_latest_deadline(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/3.5/1",
     "3.5-R18",
-    covers=("6.3-R4",),
+    covers=("6.3-R4", "8.4-R6"),
     timeout=20.0,
     caught_by=("cancel-to-legacy",),
 )

@@ -409,14 +409,16 @@ class ProducerCtx:
         *,
         timeout: float | None = None,
         signed: bool = True,
+        port: int | None = None,
     ) -> PullResult:
         """An XferCancel (§3.5) of ``worker``'s pulls for ``reqs`` (d_req_id -> transfer_id),
-        on a new DEALER to ``addr``."""
+        on a new DEALER to ``addr``; ``port``: the ``remote_port`` those pulls named, when not
+        the engine's."""
         s = worker.side
         msg = XferCancel(
             pdwire_version=CURRENT_VERSION,
             remote_hostname=worker.engine.hostname,
-            remote_port=worker.engine.port,
+            remote_port=port or worker.engine.port,
             remote_tp_size=s.tp_size,
             remote_tp_rank=s.tp_rank,
             cancel_reqs=reqs,

@@ -489,6 +489,24 @@ def _never_expires() -> None:
     _skip_expiry(TransferState.READY)
 
 
+@mutant(
+    "expires-in-flight",
+    "prefill",
+    "expires a ready transfer at its timer even while a write from its blocks is in flight",
+)
+def _expires_in_flight() -> None:
+    original = ProducerSession._expire
+
+    def expire(self: ProducerSession, t: Any, now: float) -> None:
+        writing, t.writing = t.writing, 0
+        try:
+            original(self, t, now)
+        finally:
+            t.writing = writing
+
+    replace(ProducerSession, "_expire", expire)
+
+
 @mutant("placeholders-never-expire", "prefill", "keeps a placeholder until its request comes")
 def _placeholders_never_expire() -> None:
     _skip_expiry(TransferState.PLACEHOLDER)

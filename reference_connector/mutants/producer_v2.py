@@ -199,6 +199,28 @@ def _cancel_ignored() -> None:
 
 
 @mutant(
+    "cancel-reply-in-flight",
+    "prefill",
+    "answers a cancel at once, while a write to that D worker for a listed request is in flight",
+)
+def _cancel_reply_in_flight() -> None:
+    original = ProducerSession._on_cancel
+
+    def cancel(self: ProducerSession, ev: MessageReceived, msg: XferCancel, now: float) -> None:
+        peer = (msg.remote_hostname, msg.remote_port, msg.remote_tp_rank)
+        if any(
+            p.peer == peer and p.round is not None and set(p.round.reqs) & set(msg.cancel_reqs)
+            for p in self._pulls.values()
+        ):
+            agreement = self._agreement(msg.pdwire_version, [])
+            self._reply(ev.identity, agreement, XferResponseV2(Status.FINISH))
+            return
+        original(self, ev, msg, now)
+
+    replace(ProducerSession, "_on_cancel", cancel)
+
+
+@mutant(
     "writes-after-cancel",
     "prefill",
     "ends a cancelled pull as it must, yet writes the withdrawn request's blocks once its "
