@@ -46,6 +46,8 @@ class Layout:
     prefill_pp: int = 1
     decode_tp: int = 1
     kv_heads: int = testees.KV_HEADS  # of the model: fewer than a TP size replicate the KV
+    abort_timeout: float = testees.ABORT_TIMEOUT  # T of P and D
+    prefill_delay: float = 0.0  # how long P's prefill takes (pdwire node --prefill-delay)
 
     @property
     def geometry(self) -> Geometry:
@@ -60,11 +62,14 @@ KEYED: Final = Layout(keyed=True, prefill_tp=1)
 PARALLEL: Final = Layout(prefill_tp=1, prefill_pp=2, decode_tp=2)
 #: The testees of the case of a P whose TP ranks replicate the KV (one KV head over TP 2).
 REPLICATED: Final = Layout(kv_heads=1)
+#: The testee of the case of a ready wait that restarts: a P whose prefill takes T/2.
+SLOW_PREFILL: Final = Layout(prefill_tp=1, abort_timeout=3.0, prefill_delay=1.5)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
     "consumer/10.1/2": PARALLEL,
     "producer/10.8/5": REPLICATED,
+    "producer/6.3/3": SLOW_PREFILL,
 }
 
 
@@ -107,13 +112,15 @@ def start(
     extra = ("--auth-key-file", key_file) if key_file else ()
     geometry = testees.geometry(layout.kv_heads)
     if role == "prefill":
+        delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(
             role,
             tp=layout.prefill_tp,
             pp=layout.prefill_pp,
             mutant=mutant,
             mutant_control=mutant_control,
-            extra=extra,
+            extra=(*extra, *delay),
+            abort_timeout=layout.abort_timeout,
             geometry=geometry,
         )
     return testees.start_node(
@@ -122,6 +129,7 @@ def start(
         mutant=mutant,
         mutant_control=mutant_control,
         extra=(*DECODE_FLAGS, *extra),
+        abort_timeout=layout.abort_timeout,
         geometry=geometry,
     )
 
@@ -232,7 +240,7 @@ async def run_suites(
             api=p.url,
             bootstrap=p.bootstrap,
             geometry=bed.layout.geometry,
-            abort_timeout=testees.ABORT_TIMEOUT,
+            abort_timeout=bed.layout.abort_timeout,
             request_timeout=timeout,
             auth_key=bed.auth_key,
             max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
@@ -243,7 +251,7 @@ async def run_suites(
 
         copts = ConsumerOptions(
             api=d.url,
-            abort_timeout=testees.ABORT_TIMEOUT,
+            abort_timeout=bed.layout.abort_timeout,
             receive_timeout=RECEIVE_TIMEOUT,
             request_timeout=timeout,
             auth_key=bed.auth_key,

@@ -11,13 +11,15 @@ from typing import Final
 from pdwire import error_strings
 from pdwire.messages import XferResponseStatus
 
-from ..case import case, expect, expect_equal
+from ..case import Unsupported, case, expect, expect_equal
 from ..peers.fake_d import PullResult
 from .producer_env import ProducerCtx
 
 FINISH = XferResponseStatus.FINISH
 SLACK: Final = 1.5  # seconds an expiry may come late (6.3-R8: P may check once per step)
 EARLY: Final = 0.9  # an expiry may not come before this share of its time
+#: The least margin, in seconds, between the moments producer/6.3/3 tells apart.
+MIN_MARGIN: Final = 0.25
 
 
 def expect_in_window(what: str, took: float, due: float) -> None:
@@ -130,3 +132,57 @@ async def placeholder_expires(t: ProducerCtx) -> None:
     await first
     expect_failed(second, d_req, "the second pull", EXPIRED)
     expect_in_window("the second pull", due / 2 + second.replies[-1].t, due)
+
+
+@case(
+    "producer/6.3/3",
+    "6.3-R2",
+    covers=("10.4.4", "10.4.5", "10.4.2"),
+    timeout=40.0,
+    caught_by=("ready-wait-fixed", "ready-wait-restarts-on-record"),
+)
+async def ready_wait_restarts_when_ready(t: ProducerCtx) -> None:
+    """The ready wait restarts when a transfer of the pull becomes ready, and not when P only
+    records one. With P's prefill taking d (at least 1 s, at most 0.8 T) and m = d/4: a pull
+    names A and B, A's leg goes with it (ready at d); B's leg goes at T - 2m, so that P records
+    B before its placeholder would expire, and B is ready at T - 2m + d: past T, before the wait
+    restarted by A ends (d + T). B must be served. Another pull names C alone, whose leg goes
+    with B's: recorded before T, ready after it; that pull must end at T with C in err_reqs."""
+    due = t.abort_timeout
+    probe = await t.prefill(t.new_transfer_id())
+    t.expect_leg_ok(probe)
+    d = probe.elapsed
+    m = d / 4
+    if m < MIN_MARGIN or d + m > due:
+        raise Unsupported(
+            f"P's prefill took {d:.2f}s; this case needs one of {4 * MIN_MARGIN:.1f}s to "
+            f"{0.8 * due:.1f}s (a slower model or longer prompt; pdwire node --prefill-delay)"
+        )
+    worker = t.worker(1, 0)
+    a, b, c = (t.new_transfer_id() for _ in range(3))
+    ra, rb, rc = (t.new_d_req() for _ in range(3))
+    taken = {r: worker.take(t.blocks_for()) for r in (ra, rb, rc)}
+    wait = due + d + 2 * SLACK
+    try:
+        start = time.monotonic()
+        both = asyncio.create_task(
+            t.pull(worker, t.addr(), {ra: (a, [taken[ra]]), rb: (b, [taken[rb]])}, timeout=wait)
+        )
+        alone = asyncio.create_task(t.pull(worker, t.addr(), {rc: (c, [taken[rc]])}, timeout=wait))
+        legs = [t.start_prefill(a)]
+        # B's and C's legs are due at T - 2m after the pulls: P's clock, nothing to await.
+        await asyncio.sleep(max(0.0, start + due - 2 * m - time.monotonic()))
+        legs += [t.start_prefill(b), t.start_prefill(c)]
+        r_both, r_alone = await both, await alone
+        for leg in legs:
+            t.expect_leg_ok(await leg)
+        expect(
+            ra in r_both.ok() and rb in r_both.ok(),
+            f"a pull for A (ready at about {d:.2f}s) and B (ready at about {due - 2 * m + d:.2f}s)"
+            f": expected both served, the wait having restarted at A; got {r_both.describe()}",
+        )
+        what = f"a pull for C alone (recorded at about {due - 2 * m:.2f}s, ready after T)"
+        expect_failed(r_alone, rc, what, READY_TIMEOUT)
+        expect_in_window(what, r_alone.replies[-1].t, due)
+    finally:
+        worker.give_back(block for blocks in taken.values() for block in blocks)

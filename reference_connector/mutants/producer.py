@@ -490,6 +490,43 @@ def _never_expires() -> None:
 
 
 @mutant(
+    "ready-wait-fixed",
+    "prefill",
+    "ends a pull's ready wait T after the pull, whatever became ready",
+)
+def _ready_wait_fixed() -> None:
+    original = ProducerSession._finish_round
+
+    def finish_round(self: ProducerSession, pull: Any, status: int, now: float) -> None:
+        first = pull.wait_until
+        original(self, pull, status, now)
+        if pull.key in self._pulls and pull.round is None:
+            pull.wait_until = first
+            self._push_pull_timer(pull)
+
+    replace(ProducerSession, "_finish_round", finish_round)
+
+
+@mutant(
+    "ready-wait-restarts-on-record",
+    "prefill",
+    "restarts a pull's ready wait when P records a transfer the pull waits for",
+)
+def _ready_wait_restarts_on_record() -> None:
+    original = ProducerSession._on_started
+
+    def on_started(self: ProducerSession, ev: Any, now: float) -> None:
+        original(self, ev, now)
+        t = self._transfers.get(ev.transfer_id)
+        for key in t.waiting if t is not None else ():
+            pull = self._pulls[key]
+            pull.wait_until = now + self.config.abort_timeout
+            self._push_pull_timer(pull)
+
+    replace(ProducerSession, "_on_started", on_started)
+
+
+@mutant(
     "expires-in-flight",
     "prefill",
     "expires a ready transfer at its timer even while a write from its blocks is in flight",
