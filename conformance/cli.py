@@ -226,6 +226,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "{python} (the case is skipped without it)",
     )
     reg.add_argument(
+        "--dp-command",
+        metavar="TEMPLATE",
+        help="the command line that starts one engine of a data-parallel deployment without an "
+        "external bootstrap server (4.4-R13, R15, R16); placeholders {port}, {python}, "
+        "{dp_index}, {dp_local_rank}, {dp_load_balancing} (internal, hybrid or external), "
+        "{dp_master_ip} (vLLM's data_parallel_master_ip), {master_addr} and {dp_nodes} (how "
+        "many nodes one DP rank spans). The engines listen and register on 127.0.0.1 to "
+        "127.0.0.3 (the case is skipped without it)",
+    )
+    reg.add_argument(
         "--attempt-timeout",
         type=float,
         default=1.0,
@@ -565,12 +575,15 @@ def cmd_registration(args: argparse.Namespace) -> int:
         check_template(args.command)
         if args.own_command is not None:
             check_template(args.own_command, own=True)
+        if args.dp_command is not None:
+            check_template(args.dp_command, dp=True)
     except ValueError as exc:
         print(f"pdwire conformance registration: {exc}", file=sys.stderr)
         return EXIT_USAGE
     options = RegistrationOptions(
         command=args.command,
         own_command=args.own_command,
+        dp_command=args.dp_command,
         attempt_timeout=args.attempt_timeout,
         start_timeout=args.start_timeout,
         tp=args.tp,

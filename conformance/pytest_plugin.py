@@ -80,6 +80,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "bootstrap server (as pdwire conformance registration --own-command takes it)",
     )
     group.addoption(
+        "--pdwire-registration-dp",
+        metavar="TEMPLATE",
+        help="with --pdwire-registration: the command line that starts one engine of a "
+        "data-parallel deployment (as pdwire conformance registration --dp-command takes it)",
+    )
+    group.addoption(
         "--pdwire-abort-timeout",
         type=float,
         metavar="S",
@@ -203,9 +209,13 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
             RegistrationOptions,
         )
 
-        own = config.getoption("--pdwire-registration-own")
         renv = RegistrationEnv(
-            RegistrationOptions(command=target, own_command=own, request_timeout=timeout)
+            RegistrationOptions(
+                command=target,
+                own_command=config.getoption("--pdwire-registration-own"),
+                dp_command=config.getoption("--pdwire-registration-dp"),
+                request_timeout=timeout,
+            )
         )
         return renv, lambda log: RegistrationCtx(renv.options, log)
     from .cli import parse_prefill

@@ -15,11 +15,6 @@ from .requirements import Level, Requirement, catalogue
 
 #: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
 #: when a case covers it (a test fails on a stale entry).
-_DEPLOYMENT = (
-    "how an engine without an external bootstrap address chooses who serves the bootstrap "
-    "server, where, and which DP rank a worker registers: it follows from a multi-node or "
-    "data-parallel deployment that the registration suite's single P on loopback does not have"
-)
 _GEOMETRY = (
     "a KV-cache geometry the testees here do not have (hybrid KV-cache manager, Mamba, "
     "kernel blocks smaller than blocks, shared groups, packed rows): the harness can only check "
@@ -30,9 +25,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
     "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
     "which no request to a testee here produces",
-    "4.4-R13": _DEPLOYMENT,
-    "4.4-R15": _DEPLOYMENT,
-    "4.4-R16": _DEPLOYMENT,
     "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "
     "T after the pull and before its placeholder expires, also at T (§6.2); "
     "tests/unit/test_producer.py checks pdwire's producer session",

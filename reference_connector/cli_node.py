@@ -13,6 +13,7 @@ from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.versions import LEGACY, PDWIRE_2
 
 from .cli_common import serve, standalone
+from .dp_placement import LOAD_BALANCING, LOOPBACK, DataParallel
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
     from .node_api import NodeServer
@@ -133,6 +134,36 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="prefill: pretend each remote prefill computes for S seconds before its KV is "
         "ready (fault injection: a slow P)",
     )
+    dp = p.add_argument_group(
+        "data parallelism (prefill, without --bootstrap): which engine serves the bootstrap "
+        "server, where the workers register and with which dp_rank (spec 4.4-R13, R15, R16)"
+    )
+    dp.add_argument("--dp-index", type=int, default=0, help="the engine's DP index (default 0)")
+    dp.add_argument(
+        "--dp-local-rank", type=int, default=0, help="its DP rank on its node (default 0)"
+    )
+    dp.add_argument(
+        "--dp-load-balancing",
+        choices=LOAD_BALANCING,
+        default="internal",
+        help="hybrid or external: engines local only (each node serves its own bootstrap "
+        "server); default internal",
+    )
+    dp.add_argument(
+        "--dp-master-ip",
+        default=LOOPBACK,
+        metavar="ADDRESS",
+        help="vLLM's data_parallel_master_ip (default 127.0.0.1)",
+    )
+    dp.add_argument(
+        "--master-addr",
+        default=LOOPBACK,
+        metavar="ADDRESS",
+        help="vLLM's master_addr, used when one DP rank spans several nodes (default 127.0.0.1)",
+    )
+    dp.add_argument(
+        "--dp-nodes", type=int, default=1, help="how many nodes one DP rank spans (default 1)"
+    )
     p.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
     p.set_defaults(func=run)
     return p
@@ -216,6 +247,14 @@ def run(args: argparse.Namespace) -> int:
             mutant_control=args.mutant_control,
             prefill_delay=args.prefill_delay,
             auth_key=key,
+            dp=DataParallel(
+                index=args.dp_index,
+                local_rank=args.dp_local_rank,
+                load_balancing=args.dp_load_balancing,
+                master_ip=args.dp_master_ip,
+                master_addr=args.master_addr,
+                nodes=args.dp_nodes,
+            ),
         )
         if overrides:
             config = dataclasses.replace(config, **overrides)

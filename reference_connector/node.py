@@ -28,11 +28,12 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final, Literal
 
-from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
+from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT, url_of
 from pdwire.versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
 
 from .block_allocator import BlockAllocator, OutOfBlocks
 from .bootstrap import BootstrapServer
+from .dp_placement import DataParallel
 from .kv_content import (
     EOS,
     KVShape,
@@ -77,6 +78,9 @@ class NodeConfig:
     mutant_control: bool = False  # serve POST /pdwire/mutant (testing the harness only)
     auth_key: bytes | None = None  # §8.6: sign and check side-channel messages and registrations
     prefill_delay: float = 0.0  # prefill: seconds a remote prefill pretends to compute
+    #: prefill: the engine's place in a data-parallel deployment, which decides, without
+    #: bootstrap_url, whether it serves the bootstrap server and where its workers register
+    dp: DataParallel = dataclasses.field(default_factory=DataParallel)
 
 
 class NodeError(Exception):
@@ -166,9 +170,14 @@ class NodeEngine:
     def start(self) -> None:
         c = self.config
         if c.role == "prefill" and not self.bootstrap_url:
-            server = BootstrapServer(auth_key=c.auth_key)
-            self._bootstrap = server.start(c.bootstrap_host, c.bootstrap_port)
-            self.bootstrap_url = self._bootstrap.url
+            port = c.bootstrap_port
+            if c.dp.serves_bootstrap:
+                server = BootstrapServer(auth_key=c.auth_key)
+                self._bootstrap = server.start(c.bootstrap_host, port)
+                port = self._bootstrap.port
+            elif not port:
+                raise ValueError("an engine that serves no bootstrap server needs its port")
+            self.bootstrap_url = url_of(c.dp.register_host(c.bootstrap_host), port)
         level = logging.getLogger().getEffectiveLevel()
         for pp in range(c.pp_size):
             for tp in range(c.tp_size):
@@ -181,6 +190,7 @@ class NodeEngine:
                     pp_rank=pp,
                     engine_id=self.engine_id,
                     bootstrap_url=self.bootstrap_url,
+                    dp_rank=c.dp.rank,
                     register_timeout=c.register_timeout,
                     host=c.host,
                     profile=c.profile,

@@ -53,6 +53,7 @@ class WorkerSpec:
     pp_rank: int
     engine_id: str
     bootstrap_url: str
+    dp_rank: int = 0  # the dp_rank P's workers register (4.4-R16)
     host: str = "127.0.0.1"
     register_timeout: float = 30.0  # each HTTP phase of a registration attempt (4.4-R1)
     profile: Profile = PDWIRE_2

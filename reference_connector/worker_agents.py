@@ -149,6 +149,7 @@ class ReferenceAgent:
                     self.transport,
                     bootstrap_url=s.bootstrap_url,
                     engine_id=s.engine_id,
+                    dp_rank=s.dp_rank,
                     on_free=lambda p_req, tid, reason: ctx.emit(
                         "event", "free", p_req, str(reason)
                     ),

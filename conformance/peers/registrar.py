@@ -85,19 +85,21 @@ class Registrar:
         self._handlers: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Condition()
         self.lag = LoopLag()  # how late the times of ``attempts`` may have been read
+        self.host = "127.0.0.1"
         self.port = 0
 
     @property
     def host_port(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
         return f"http://{self.host_port}"
 
-    async def start(self) -> None:
-        sock = bind()
-        self.port = sock.getsockname()[1]
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        """Listen on ``host:port`` (0: a free port); ``OSError`` when it is taken."""
+        sock = bind(port, host)
+        self.host, self.port = host, sock.getsockname()[1]
         self._server = await asyncio.start_server(self._accept, sock=sock, limit=READ_LIMIT)
         self.lag.start()
 

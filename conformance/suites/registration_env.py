@@ -44,12 +44,28 @@ REFERENCE_COMMAND: Final = (
 )
 #: The same P without an external bootstrap address: it serves its own.
 REFERENCE_OWN_COMMAND: Final = REFERENCE_COMMAND.replace(" --bootstrap {bootstrap_address}", "")
+#: Those of the template that starts one engine of a data-parallel deployment without an external
+#: bootstrap address (4.4-R13, R15, R16): its DP index and local DP rank, its DP load balancing
+#: (internal, hybrid or external; the last two mean engines local only), vLLM's
+#: data_parallel_master_ip and master_addr, and how many nodes one DP rank spans.
+DP_PLACEHOLDERS: Final = (
+    "python", "port", "dp_index", "dp_local_rank", "dp_load_balancing", "dp_master_ip",
+    "master_addr", "dp_nodes",
+)  # fmt: skip
+#: The reference engine of such a deployment, of TP 1.
+REFERENCE_DP_COMMAND: Final = (
+    REFERENCE_OWN_COMMAND.replace("--tp 2", "--tp 1")
+    + " --dp-index {dp_index} --dp-local-rank {dp_local_rank} --dp-load-balancing "
+    "{dp_load_balancing} --dp-master-ip {dp_master_ip} --master-addr {master_addr} "
+    "--dp-nodes {dp_nodes}"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class RegistrationOptions:
     command: str  # the template that starts P
     own_command: str | None = None  # the one that starts P without an external address
+    dp_command: str | None = None  # the one that starts an engine of a DP deployment
     attempt_timeout: float = 1.0  # P's VLLM_MOONCAKE_CONNECTOR_TIMEOUT where attempts time out
     start_timeout: float = 60.0  # from P's start to its first registration, or to its health
     tp: int | None = None  # P's sizes, when its registrations do not carry them (legacy)
@@ -57,10 +73,11 @@ class RegistrationOptions:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 
 
-def check_template(template: str, own: bool = False) -> None:
+def check_template(template: str, own: bool = False, dp: bool = False) -> None:
     """``ValueError`` unless ``template`` is a command line using only known placeholders
-    (``own``: those of the template that starts P without an external address)."""
-    check(template, OWN_PLACEHOLDERS if own else PLACEHOLDERS, "P")
+    (``own``: those of the template that starts P without an external address; ``dp``: those
+    of the template that starts an engine of a data-parallel deployment)."""
+    check(template, DP_PLACEHOLDERS if dp else OWN_PLACEHOLDERS if own else PLACEHOLDERS, "P")
 
 
 def reference_options(
@@ -71,6 +88,7 @@ def reference_options(
     return RegistrationOptions(
         REFERENCE_COMMAND + extra,
         own_command=REFERENCE_OWN_COMMAND + extra,
+        dp_command=REFERENCE_DP_COMMAND + extra,
         request_timeout=request_timeout,
     )
 
@@ -102,6 +120,7 @@ class RegistrationCtx:
         self.options = options
         self.log = log
         self._deployments: list[Deployment] = []
+        self._dp_deployments: list[DpDeployment] = []
 
     async def deploy(
         self,
@@ -146,9 +165,91 @@ class RegistrationCtx:
         await process.spawn()
         return deployment
 
+    async def deploy_dp(self, place: DpPlace, listen: Sequence[str]) -> DpDeployment:
+        """An engine of a data-parallel deployment, started from the DP template (the case is
+        skipped when the run has none), and a scripted bootstrap server that accepts every
+        registration at each address of ``listen``, all on the port that P is given as
+        VLLM_MOONCAKE_BOOTSTRAP_PORT."""
+        what = "the command that starts an engine of a data-parallel deployment"
+        template = given(self.options.dp_command, what, "--dp-command")
+        registrars, port = await _listen_on_one_port(listen, self.log)
+        deployment = DpDeployment(registrars, port)
+        self._dp_deployments.append(deployment)
+        values = {
+            "python": sys.executable,
+            "port": str(free_port()),
+            "dp_index": str(place.index),
+            "dp_local_rank": str(place.local_rank),
+            "dp_load_balancing": place.load_balancing,
+            "dp_master_ip": place.master_ip,
+            "master_addr": place.master_addr,
+            "dp_nodes": str(place.nodes),
+        }
+        env = {
+            **os.environ,
+            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
+            "VLLM_MOONCAKE_CONNECTOR_TIMEOUT": str(RELAXED_TIMEOUT),
+            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port),
+        }
+        deployment.process = TemplateProcess("P", fill(template, values, "P"), env, self.log)
+        await deployment.process.spawn()
+        return deployment
+
     async def close(self) -> None:
         await asyncio.gather(*(d.close() for d in self._deployments))
+        await asyncio.gather(*(d.close() for d in self._dp_deployments))
         self._deployments.clear()
+        self._dp_deployments.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class DpPlace:
+    """An engine's place in a data-parallel deployment, as the DP template's placeholders
+    give it."""
+
+    index: int
+    local_rank: int
+    load_balancing: str  # internal, hybrid or external
+    master_ip: str  # vLLM's data_parallel_master_ip
+    master_addr: str  # vLLM's master_addr
+    nodes: int = 1  # how many nodes one DP rank spans
+
+
+@dataclasses.dataclass
+class DpDeployment:
+    """One engine of a DP deployment, and the scripted servers on its bootstrap port."""
+
+    registrars: dict[str, Registrar]  # by the address each listens on
+    port: int  # VLLM_MOONCAKE_BOOTSTRAP_PORT
+    process: TemplateProcess | None = None
+
+    async def close(self) -> None:
+        if self.process is not None:
+            await self.process.stop()
+        await asyncio.gather(*(r.stop() for r in self.registrars.values()))
+
+
+#: How many ports ``_listen_on_one_port`` tries before it gives up.
+PORT_TRIES: Final = 20
+
+
+async def _listen_on_one_port(
+    hosts: Sequence[str], log: WireLog
+) -> tuple[dict[str, Registrar], int]:
+    """Accepting scripted servers on one port at every address of ``hosts`` (none: only a free
+    port), and that port."""
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        started: dict[str, Registrar] = {}
+        try:
+            for host in hosts:
+                registrar = Registrar(Script("accept"), log)
+                await registrar.start(host, port)
+                started[host] = registrar
+            return started, port
+        except OSError:
+            await asyncio.gather(*(r.stop() for r in started.values()))
+    raise RuntimeError(f"no port free at every address of {', '.join(hosts)}")
 
 
 class RegistrationEnv:
@@ -158,6 +259,8 @@ class RegistrationEnv:
         check_template(options.command)
         if options.own_command is not None:
             check_template(options.own_command, own=True)
+        if options.dp_command is not None:
+            check_template(options.dp_command, dp=True)
         self.options = options
 
     async def open(self) -> None:

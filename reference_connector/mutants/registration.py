@@ -12,6 +12,7 @@ from pdwire.http_models import RegisterReply, RegisterWorkerPayload
 
 from .. import bootstrap_client
 from ..bootstrap_client import BootstrapError
+from ..dp_placement import LOOPBACK, DataParallel
 from ..producer_agent import ProducerAgent
 from . import mutant, replace
 
@@ -194,3 +195,50 @@ def _workers_announce_apart() -> None:
         return payload
 
     replace(ProducerAgent, "_payload", _payload)
+
+
+# -- data-parallel placement (4.4-R13, R15, R16) ---------------------------------------------
+
+
+@mutant(
+    "dp-rank-is-index",
+    "prefill",
+    "registers its DP index as dp_rank even when engines are local only",
+    at_start=True,
+)
+def _dp_rank_is_index() -> None:
+    replace(DataParallel, "rank", property(lambda dp: dp.index))
+
+
+@mutant(
+    "dp-server-on-index-0",
+    "prefill",
+    "serves the bootstrap server from DP index 0 only, even when engines are local only",
+    at_start=True,
+)
+def _dp_server_on_index_0() -> None:
+    replace(DataParallel, "serves_bootstrap", property(lambda dp: dp.index == 0))
+
+
+@mutant(
+    "registers-at-master-ip",
+    "prefill",
+    "registers at the DP master IP whatever the deployment",
+    at_start=True,
+)
+def _registers_at_master_ip() -> None:
+    replace(DataParallel, "bootstrap_host", property(lambda dp: dp.master_ip))
+
+
+@mutant(
+    "ignores-dp-nodes",
+    "prefill",
+    "registers at the DP master IP when one DP rank spans several nodes",
+    at_start=True,
+)
+def _ignores_dp_nodes() -> None:
+    replace(
+        DataParallel,
+        "bootstrap_host",
+        property(lambda dp: LOOPBACK if dp.local_only else dp.master_ip),
+    )

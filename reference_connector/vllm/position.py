@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Final
 from pdwire.http_models import url_of
 from pdwire.messages import Fingerprint
 
+from ..dp_placement import DataParallel
 from .config import Settings
 
 if TYPE_CHECKING:
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 
 #: vLLM's layout name of the CPU backend's caches and of the layout MooncakeConnector asks for.
 KV_LAYOUT: Final = "LBHNC"
-_ANY_HOST: Final = ("", "0.0.0.0", "::")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,15 +42,12 @@ class Position:
         )
         from vllm.utils.network_utils import get_ip
 
-        transfer, parallel = vllm_config.kv_transfer_config, vllm_config.parallel_config
+        transfer = vllm_config.kv_transfer_config
         assert transfer is not None and transfer.engine_id is not None
-        local = parallel.local_engines_only
         pp = get_pp_group()
         return cls(
             engine_id=transfer.engine_id,
-            dp_rank=(parallel.data_parallel_rank_local or 0)
-            if local
-            else parallel.data_parallel_index,
+            dp_rank=data_parallel(vllm_config).rank,
             tp_rank=get_tensor_model_parallel_rank(),
             tp_size=get_tensor_model_parallel_world_size(),
             pp_rank=pp.rank_in_group,
@@ -59,29 +56,31 @@ class Position:
         )
 
 
+def data_parallel(vllm_config: VllmConfig) -> DataParallel:
+    """The engine's place in its data-parallel deployment."""
+    parallel = vllm_config.parallel_config
+    return DataParallel(
+        index=parallel.data_parallel_index,
+        local_rank=parallel.data_parallel_rank_local or 0,
+        load_balancing="hybrid" if parallel.local_engines_only else "internal",
+        master_ip=parallel.data_parallel_master_ip,
+        master_addr=parallel.master_addr,
+        nodes=parallel.nnodes_within_dp,
+    )
+
+
 def owns_bootstrap(vllm_config: VllmConfig, settings: Settings, pos: Position) -> bool:
     """The one worker of the engine that runs the bootstrap server (as vLLM's rule)."""
     if settings.bootstrap_address is not None or pos.tp_rank or pos.pp_rank:
         return False
-    parallel = vllm_config.parallel_config
-    if parallel.local_engines_only:
-        return parallel.data_parallel_rank_local == 0
-    return parallel.data_parallel_index == 0
+    return data_parallel(vllm_config).serves_bootstrap
 
 
 def bootstrap_url(vllm_config: VllmConfig, settings: Settings) -> str:
     """Where this engine's P workers register."""
     if settings.bootstrap_address is not None:
         return url_of(*settings.bootstrap_address)
-    host = settings.bootstrap_host
-    if host in _ANY_HOST:
-        parallel = vllm_config.parallel_config
-        if parallel.local_engines_only:
-            host = "127.0.0.1"
-        elif parallel.nnodes_within_dp > 1:
-            host = parallel.master_addr
-        else:
-            host = parallel.data_parallel_master_ip
+    host = data_parallel(vllm_config).register_host(settings.bootstrap_host)
     return url_of(host, settings.bootstrap_port)
 
 
