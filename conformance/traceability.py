@@ -25,9 +25,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
     "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
     "which no request to a testee here produces",
-    "6.3-R2": "a restart of P's ready wait shows only for a transfer that becomes ready more than "
-    "T after the pull and before its placeholder expires, also at T (§6.2); "
-    "tests/unit/test_producer.py checks pdwire's producer session",
     "10.2.8": _GEOMETRY,
     "10.4.7": _GEOMETRY,
     "10.6.3": _GEOMETRY,

@@ -15,7 +15,6 @@ import httpx
 
 from ..case import CaseFailed, case, expect
 from ..command import TemplateProcess
-from ..peers.http import probe
 from ..peers.registrar import Registrar
 from .registration import SLACK_S
 from .registration_env import DpDeployment, DpPlace, RegistrationCtx
@@ -94,7 +93,8 @@ async def expect_serving(t: RegistrationCtx, p: DpDeployment, what: str, dp_rank
         keys == [str(dp_rank)],
         f"{what}: its bootstrap server holds engines under dp_rank {keys}, expected [{dp_rank}]",
     )
-    other = await probe(f"http://{MASTER_IP}:{p.port}/query")
+    other_url = f"http://{MASTER_IP}:{p.port}/query"
+    other = await p.process.wait_answer(other_url, time.monotonic() + SLACK_S, lambda _: True)
     expect(other is not None, f"{what}: its bootstrap server does not answer at {MASTER_IP}")
 
 
