@@ -294,8 +294,13 @@ class ProducerMachine(RuleBasedStateMachine):
                 assert o.transfer_id in TIDS
 
     def on_write(self, w: StartWrite) -> None:
+        # Two peers' pulls may name the same d_req_id: the write's peer tells them apart.
         owners = [
-            i for i, p in self.pulls.items() if not p["done"] and set(w.d_req_ids) <= p["open"]
+            i
+            for i, p in self.pulls.items()
+            if not p["done"]
+            and set(w.d_req_ids) <= p["open"]
+            and w.peer == f"{PEERS[p['peer']].hostname}:{PEERS[p['peer']].port}"
         ]
         assert owners, f"write {w} for no open pull"
         ident = owners[-1]
@@ -527,6 +532,19 @@ class ProducerMachine(RuleBasedStateMachine):
 
 ProducerMachine.TestCase.settings = MACHINE_SETTINGS
 test_producer_machine = ProducerMachine.TestCase
+
+
+def test_machine_tells_apart_two_peers_writes_of_one_d_req_id() -> None:
+    """Both D peers pull x0 under the same d_req_id; the cancel of one waits for its own
+    write, which the model must attribute to that peer (a sequence the machine once found)."""
+    m = ProducerMachine()
+    for peer in (1, 0):
+        m.pull(peer=peer, tids=["x0"], dup=False, release_only=False, v2=False, deadline_ms=0)
+    m.finish("x0", fresh=False, blocks=[[1, 2, 3]])
+    assert sorted(peer for _, peer, _ in m.writes.values()) == [0, 1]
+    m.cancel(peer=1, tids={"x0"})
+    m.books_agree()
+    m.teardown()
 
 
 # -- (b) ConsumerSession -------------------------------------------------------------------------
