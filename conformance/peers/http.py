@@ -87,6 +87,25 @@ async def probe(url: str, http: httpx.AsyncClient | None = None) -> httpx.Respon
         return None
 
 
+async def listens(url: str, until: float) -> str:
+    """Whether a server listens at ``url``'s address, once it is known to be up on another of
+    its host's addresses: "" once it answers ``GET url``; why not, at once when the connection
+    is refused (nothing listens there), else at ``until`` (monotonic). A server that listens
+    answers late, not never, on a loaded machine: a timeout alone is no verdict."""
+    why = "no answer"
+    async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False) as http:
+        while True:
+            try:
+                await http.get(url)
+                return ""
+            except httpx.ConnectError as exc:
+                return f"connection refused ({exc})"
+            except httpx.HTTPError as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= until:
+                return why
+
+
 def request_id() -> str:
     return uuid.uuid4().hex
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from types import TracebackType
 
 from ..case import WireLog
@@ -43,8 +42,6 @@ class WriteGate:
         self.engine = engine
         self.log = log
         self.port = 0
-        self.entered_at: float | None = None  # monotonic: when P's engine first knocked
-        self.opened_at: float | None = None
         self._knocked = asyncio.Event()
         self._open = asyncio.Event()
         self._server: asyncio.Server | None = None
@@ -73,8 +70,7 @@ class WriteGate:
 
     async def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.append(writer)
-        if self.entered_at is None:
-            self.entered_at = time.monotonic()
+        if not self._knocked.is_set():
             self.log.received(f"gate :{self.port}", "P's engine began a write (handshake held)")
         self._knocked.set()
         await self._open.wait()
@@ -98,7 +94,6 @@ class WriteGate:
     def open(self) -> None:
         """Let the held write through: it completes."""
         if not self._open.is_set():
-            self.opened_at = time.monotonic()
             self.log.note(f"write gate :{self.port} opened")
             self._open.set()
 

@@ -15,6 +15,7 @@ import httpx
 
 from ..case import CaseFailed, case, expect
 from ..command import TemplateProcess
+from ..peers.http import listens
 from ..peers.registrar import Registrar
 from .registration import SLACK_S
 from .registration_env import DpDeployment, DpPlace, RegistrationCtx
@@ -81,8 +82,9 @@ async def expect_serving(t: RegistrationCtx, p: DpDeployment, what: str, dp_rank
     ``dp_rank`` and nothing else."""
     assert p.process is not None
     url = f"http://127.0.0.1:{p.port}/query"
+    until = time.monotonic() + START_S + SLACK_S
     try:
-        answer = await p.process.wait_answer(url, time.monotonic() + START_S + SLACK_S, has_engine)
+        answer = await p.process.wait_answer(url, until, has_engine)
     except CaseFailed as exc:
         raise CaseFailed(f"{what}: no bootstrap server with an engine at {url}; {exc}") from None
     expect(answer is not None, f"{what}: no bootstrap server with an engine at {url}")
@@ -93,9 +95,8 @@ async def expect_serving(t: RegistrationCtx, p: DpDeployment, what: str, dp_rank
         keys == [str(dp_rank)],
         f"{what}: its bootstrap server holds engines under dp_rank {keys}, expected [{dp_rank}]",
     )
-    other_url = f"http://{MASTER_IP}:{p.port}/query"
-    other = await p.process.wait_answer(other_url, time.monotonic() + SLACK_S, lambda _: True)
-    expect(other is not None, f"{what}: its bootstrap server does not answer at {MASTER_IP}")
+    why = await listens(f"http://{MASTER_IP}:{p.port}/query", time.monotonic() + START_S)
+    expect(not why, f"{what}: its bootstrap server does not answer at {MASTER_IP} ({why})")
 
 
 @case(

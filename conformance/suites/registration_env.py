@@ -7,8 +7,9 @@ P is told where to register with ``{bootstrap_address}`` (``host:port``, vLLM's
 ``VLLM_MOONCAKE_CONNECTOR_TIMEOUT`` (the bound on each attempt) and
 ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (where P would serve a bootstrap server of its own, which it must
 not, 4.4-R11). A second template, without an external address, starts a P that serves a
-bootstrap server of its own (4.4-R14). The cases of the suite are independent, each with its own P
-and server, and run side by side: most of a case is waiting for P to start.
+bootstrap server of its own (4.4-R14); a third starts one engine of a data-parallel deployment
+at the place the case gives it (4.4-R13, R15, R16). The cases of the suite are independent,
+each with its own P and server, and run side by side: most of a case is waiting for P to start.
 """
 
 from __future__ import annotations
