@@ -112,7 +112,8 @@ async def expect_serving(t: RegistrationCtx, p: DpDeployment, what: str, dp_rank
     ),
 )
 async def data_parallel_placement(t: RegistrationCtx) -> None:
-    """Four engines of data-parallel deployments, side by side, none with an external bootstrap
+    """Four engines of data-parallel deployments, one after another (each stopped before the
+    next starts, to keep the machine's load that of one P), none with an external bootstrap
     address. Engines local only (hybrid load balancing), DP index 3, local DP rank 1: no server
     of its own; its workers register at 127.0.0.1 with dp_rank 1. Local only, DP index 2, local
     rank 0: it serves the server (on every address), where its workers registered with dp_rank
@@ -120,25 +121,25 @@ async def data_parallel_placement(t: RegistrationCtx) -> None:
     master IP with dp_rank 2. Internal, one DP rank over two nodes, DP index 1: they register at
     the master address with dp_rank 1. A server started where none is due fails to bind beside
     the scripted ones, and stops that engine."""
-    places = {
-        "local only, local rank 1": DpPlace(3, 1, "hybrid", MASTER_IP, MASTER_ADDR),
-        "local only, local rank 0": DpPlace(2, 0, "hybrid", MASTER_IP, MASTER_ADDR),
-        "internal, DP index 2": DpPlace(2, 0, "internal", MASTER_IP, MASTER_ADDR),
-        "internal, two nodes a rank": DpPlace(1, 1, "internal", MASTER_IP, MASTER_ADDR, nodes=2),
-    }
-    serving = "local only, local rank 0"
-    p = {
-        what: await t.deploy_dp(place, () if what == serving else LISTEN)
-        for what, place in places.items()
-    }
-    await asyncio.gather(
-        *(
-            expect_registered(p[what], f"the engine {what}", host, rank)
-            for what, host, rank in (
-                ("local only, local rank 1", "127.0.0.1", 1),
-                ("internal, DP index 2", MASTER_IP, 2),
-                ("internal, two nodes a rank", MASTER_ADDR, 1),
-            )
+    registering = (
+        (
+            "local only, local rank 1",
+            DpPlace(3, 1, "hybrid", MASTER_IP, MASTER_ADDR),
+            "127.0.0.1",
+            1,
         ),
-        expect_serving(t, p[serving], f"the engine {serving}", 0),
+        ("internal, DP index 2", DpPlace(2, 0, "internal", MASTER_IP, MASTER_ADDR), MASTER_IP, 2),
+        (
+            "internal, two nodes a rank",
+            DpPlace(1, 1, "internal", MASTER_IP, MASTER_ADDR, nodes=2),
+            MASTER_ADDR,
+            1,
+        ),
     )
+    for what, place, host, rank in registering:
+        p = await t.deploy_dp(place, LISTEN)
+        await expect_registered(p, f"the engine {what}", host, rank)
+        await p.close()
+    serving = "local only, local rank 0"
+    p = await t.deploy_dp(DpPlace(2, 0, "hybrid", MASTER_IP, MASTER_ADDR), ())
+    await expect_serving(t, p, f"the engine {serving}", 0)

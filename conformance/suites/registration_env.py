@@ -225,9 +225,12 @@ class DpDeployment:
     process: TemplateProcess | None = None
 
     async def close(self) -> None:
-        if self.process is not None:
-            await self.process.stop()
-        await asyncio.gather(*(r.stop() for r in self.registrars.values()))
+        """Stop the engine and the servers; once only."""
+        process, self.process = self.process, None
+        registrars, self.registrars = self.registrars, {}
+        if process is not None:
+            await process.stop()
+        await asyncio.gather(*(r.stop() for r in registrars.values()))
 
 
 #: How many ports ``_listen_on_one_port`` tries before it gives up.
