@@ -31,7 +31,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "10.6.6": _GEOMETRY,
     "10.6.7": _GEOMETRY,
     "10.7.8": _GEOMETRY,
-    "10.8.14": _GEOMETRY,
     "10.10.7": _GEOMETRY,
     "10.10.9": "what D reports to its own scheduler is inside D "
     "(tests/unit/test_consumer.py checks pdwire's D)",

@@ -31,6 +31,7 @@ from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, request, request_id, transfer_id
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
+PULL_FIRST_QUIET: Final = 2.0  # seconds; see ProducerCtx.pull_first_quiet
 M = TypeVar("M", XferMetadataV2, XferCancel)
 
 
@@ -459,31 +460,52 @@ class ProducerCtx:
         leg_params: dict[str, Any] | None = None,
         **fields: Any,
     ) -> Loaded:
-        """A whole transfer: P's leg, then (or, with ``pull_first``, before its answer) every
-        pull of every D worker, each to its paired P workers. ``blocks``: how many blocks D
-        asks for (default all of the prompt's: fewer is a prefix-cache hit); ``leg_params``
-        adds fields to the P leg's kv_transfer_params; ``fields`` override or add fields of
-        every pull."""
+        """A whole transfer: P's leg, then every pull of every D worker, each to its paired P
+        workers. With ``pull_first`` the pulls go first, and the leg only after P kept them
+        unanswered for ``pull_first_quiet`` (a reply before the leg fails the case: P cannot
+        know the transfer yet, §10.4). ``blocks``: how many blocks D asks for (default all of
+        the prompt's: fewer is a prefix-cache hit); ``leg_params`` adds fields to the P leg's
+        kv_transfer_params; ``fields`` override or add fields of every pull."""
         tid = transfer or self.new_transfer_id()
         d_req = self.new_d_req()
         ids = prompt if prompt is not None else self.prompt(tokens)
         n = blocks if blocks is not None else self.blocks_for(len(ids))
-        leg = self.start_prefill(tid, prompt=ids, leg_params=leg_params)
-        prefill: HttpResult | None = None
-        if not pull_first:
-            prefill = await leg
-            self.expect_leg_ok(prefill)
         workers = self.d_workers(d_tp, d_pp)
         taken = {w: w.take(n, scattered=scattered) for w in workers}
-        groups = await asyncio.gather(
-            *(
-                self.pull_to_targets(w, tid, d_req, taken[w], announce=announce, **fields)
-                for w in workers
+        answered = asyncio.Event()
+
+        def pulls() -> asyncio.Future[list[list[tuple[DWorker, str, PullResult]]]]:
+            if pull_first:
+                fields["on_reply"] = lambda _: answered.set()
+            return asyncio.gather(
+                *(
+                    self.pull_to_targets(w, tid, d_req, taken[w], announce=announce, **fields)
+                    for w in workers
+                )
             )
-        )
-        if prefill is None:
-            prefill = await leg
+
+        if pull_first:
+            pending = pulls()
+            early = await _is_set_within(answered, self.pull_first_quiet)
+            prefill = await self.prefill(tid, prompt=ids, leg_params=leg_params)
+            groups = await pending
+            expect(
+                not early,
+                f"P answered a pull for transfer {tid} before its leg was sent: "
+                f"{[r.describe() for g in groups for _, _, r in g]}",
+            )
+        else:
+            prefill = await self.prefill(tid, prompt=ids, leg_params=leg_params)
+            self.expect_leg_ok(prefill)
+            groups = await pulls()
         return Loaded(tid, d_req, prefill, [p for g in groups for p in g], taken, ids)
+
+    @property
+    def pull_first_quiet(self) -> float:
+        """How long a pull sent before its leg waits alone: long enough for it to reach P
+        before the leg does, short enough to leave most of P's ready wait to the leg."""
+        t = self.options.abort_timeout
+        return PULL_FIRST_QUIET if t is None else min(PULL_FIRST_QUIET, t / 4)
 
     def release(self, loaded: Loaded) -> None:
         """Give the transfer's blocks back to the fake D workers."""
@@ -520,3 +542,11 @@ def describe(worker: DWorker) -> str:
     s = worker.side
     pp = f" PP rank {worker.pp_rank}/{s.pp_size}" if s.pp_size > 1 else ""
     return f"D TP rank {s.tp_rank}/{s.tp_size}{pp}"
+
+
+async def _is_set_within(event: asyncio.Event, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except TimeoutError:
+        return False
+    return True

@@ -97,8 +97,8 @@ def expect_loaded_slices(t: ProducerCtx, loaded: Loaded, full: Full) -> None:
 @case(
     "producer/10.8/1",
     "10.8.5",
-    covers=("10.8.6", "10.8.12", "10.1.3", "10.3.1", "9.2-R1", "3.6-R2"),
-    caught_by=("no-shard-offsets", "wrong-offset"),
+    covers=("10.8.6", "10.8.12", "10.8.14", "10.1.3", "10.3.1", "9.2-R1", "3.6-R2"),
+    caught_by=("no-shard-offsets", "wrong-offset", "coalesces-slices"),
 )
 async def d_tp_larger(t: ProducerCtx) -> None:
     """A D of twice P's TP, announcing P's fingerprint where P speaks pdwire/2, gets on each
@@ -115,8 +115,8 @@ async def d_tp_larger(t: ProducerCtx) -> None:
 @case(
     "producer/10.8/2",
     "10.8.3",
-    covers=("10.8.4", "10.8.12", "10.1.3", "10.3.1", "9.2-R1", "9.1-R3"),
-    caught_by=("no-shard-offsets", "wrong-offset"),
+    covers=("10.8.4", "10.8.12", "10.8.14", "10.1.3", "10.3.1", "9.2-R1", "9.1-R3"),
+    caught_by=("no-shard-offsets", "wrong-offset", "coalesces-slices"),
 )
 async def d_tp_smaller(t: ProducerCtx) -> None:
     """A D of TP 1 gets every P rank's heads, each at its offset of D's block."""
@@ -131,11 +131,24 @@ async def d_tp_smaller(t: ProducerCtx) -> None:
         t.release(loaded)
 
 
+@case("producer/10.8/6", "10.8.14", covers=("10.8.12",), caught_by=("runs-by-source-only",))
+async def scattered_d_blocks(t: ProducerCtx) -> None:
+    """D asks for every other one of its free blocks: each gets its own block's bytes, and the
+    blocks between them stay untouched, whether or not P's own block ids are consecutive."""
+    prompt = t.prompt()
+    full = await control(t, prompt)
+    loaded = await t.load(prompt=prompt, scattered=True)
+    try:
+        expect_loaded_slices(t, loaded, full)
+    finally:
+        t.release(loaded)
+
+
 @case(
     "producer/10.8/4",
     "10.8.9",
-    covers=("10.8.10", "10.8.5", "10.3.1"),
-    caught_by=("no-shard-offsets",),
+    covers=("10.8.10", "10.8.5", "10.8.14", "10.3.1"),
+    caught_by=("no-shard-offsets", "coalesces-slices"),
 )
 async def d_tp_above_kv_heads(t: ProducerCtx) -> None:
     """A D whose TP is twice the model's KV heads (two D ranks hold each head) gets on each

@@ -94,3 +94,26 @@ def _replicas_all_write() -> None:
         return dataclasses.replace(original(producer, consumer), write=True)
 
     replace(planning, "_shards", shards)
+
+
+@mutant(
+    "coalesces-slices",
+    "prefill",
+    "writes runs of blocks with one descriptor also when a slice is not a whole block",
+)
+def _coalesces_slices() -> None:
+    replace(planning, "_coalesces", lambda rp: True)
+
+
+@mutant(
+    "runs-by-source-only",
+    "prefill",
+    "writes a run of P's consecutive blocks with one descriptor whatever D's block ids are",
+)
+def _runs_by_source_only() -> None:
+    original = planning._runs
+
+    def runs(src: Any, dst: Any) -> Any:
+        return original(src, src - src[:1] + dst[:1])
+
+    replace(planning, "_runs", runs)
