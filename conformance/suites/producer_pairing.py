@@ -91,6 +91,18 @@ def expect_loaded_slices(t: ProducerCtx, loaded: Loaded, full: Full) -> None:
         expect_slice(full, w, blocks)
 
 
+async def load_like_control(t: ProducerCtx, **load: Any) -> None:
+    """A transfer of a new prompt (``load``: the D side's sizes and blocks): each D rank's
+    blocks must hold its share of a control transfer's bytes."""
+    prompt = t.prompt()
+    full = await control(t, prompt)
+    loaded = await t.load(prompt=prompt, **load)
+    try:
+        expect_loaded_slices(t, loaded, full)
+    finally:
+        t.release(loaded)
+
+
 # -- TP ---------------------------------------------------------------------------------------
 
 
@@ -103,13 +115,7 @@ def expect_loaded_slices(t: ProducerCtx, loaded: Loaded, full: Full) -> None:
 async def d_tp_larger(t: ProducerCtx) -> None:
     """A D of twice P's TP, announcing P's fingerprint where P speaks pdwire/2, gets on each
     rank its half of the paired P rank's heads."""
-    prompt = t.prompt()
-    full = await control(t, prompt)
-    loaded = await t.load(prompt=prompt, d_tp=2 * t.p_tp, announce=t.env.p_version >= 2)
-    try:
-        expect_loaded_slices(t, loaded, full)
-    finally:
-        t.release(loaded)
+    await load_like_control(t, d_tp=2 * t.p_tp, announce=t.env.p_version >= 2)
 
 
 @case(
@@ -122,26 +128,14 @@ async def d_tp_smaller(t: ProducerCtx) -> None:
     """A D of TP 1 gets every P rank's heads, each at its offset of D's block."""
     if t.p_tp == 1:
         raise Skip("P has TP 1: no D can have a smaller TP")
-    prompt = t.prompt()
-    full = await control(t, prompt)
-    loaded = await t.load(prompt=prompt, d_tp=1)
-    try:
-        expect_loaded_slices(t, loaded, full)
-    finally:
-        t.release(loaded)
+    await load_like_control(t, d_tp=1)
 
 
 @case("producer/10.8/6", "10.8.14", covers=("10.8.12",), caught_by=("runs-by-source-only",))
 async def scattered_d_blocks(t: ProducerCtx) -> None:
     """D asks for every other one of its free blocks: each gets its own block's bytes, and the
     blocks between them stay untouched, whether or not P's own block ids are consecutive."""
-    prompt = t.prompt()
-    full = await control(t, prompt)
-    loaded = await t.load(prompt=prompt, scattered=True)
-    try:
-        expect_loaded_slices(t, loaded, full)
-    finally:
-        t.release(loaded)
+    await load_like_control(t, scattered=True)
 
 
 @case(
@@ -156,13 +150,7 @@ async def d_tp_above_kv_heads(t: ProducerCtx) -> None:
     d_tp = 2 * t.geometry.num_kv_heads
     if d_tp % t.p_tp or d_tp <= t.p_tp:
         raise Skip(f"a D of TP {d_tp} does not pair with a P of TP {t.p_tp}")
-    prompt = t.prompt()
-    full = await control(t, prompt)
-    loaded = await t.load(prompt=prompt, d_tp=d_tp)
-    try:
-        expect_loaded_slices(t, loaded, full)
-    finally:
-        t.release(loaded)
+    await load_like_control(t, d_tp=d_tp)
 
 
 async def pull_each(
@@ -229,13 +217,7 @@ async def every_paired_d_rank_is_served(t: ProducerCtx) -> None:
 async def d_pp_larger(t: ProducerCtx) -> None:
     """A D with one stage more than P: each D stage pulls P and gets only the layers it holds,
     with the control's bytes."""
-    prompt = t.prompt()
-    full = await control(t, prompt)
-    loaded = await t.load(prompt=prompt, d_pp=t.p_pp + 1)
-    try:
-        expect_loaded_slices(t, loaded, full)
-    finally:
-        t.release(loaded)
+    await load_like_control(t, d_pp=t.p_pp + 1)
 
 
 def written_regions(worker: DWorker, blocks: list[int]) -> tuple[set[Key], set[Key]]:

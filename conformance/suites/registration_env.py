@@ -152,12 +152,7 @@ class RegistrationCtx:
             "bootstrap_host": "127.0.0.1",
             "bootstrap_port": str(registrar.port) if with_port else "",
         }
-        env = {
-            **os.environ,
-            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
-            "VLLM_MOONCAKE_CONNECTOR_TIMEOUT": str(attempt_timeout),
-            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(own_port),
-        }
+        env = _p_env(attempt_timeout, own_port)
         process = TemplateProcess("P", fill(template, values, "P"), env, self.log)
         deployment = Deployment(
             registrar, process, f"http://127.0.0.1:{port}", own_port, time.monotonic()
@@ -186,12 +181,7 @@ class RegistrationCtx:
             "master_addr": place.master_addr,
             "dp_nodes": str(place.nodes),
         }
-        env = {
-            **os.environ,
-            "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
-            "VLLM_MOONCAKE_CONNECTOR_TIMEOUT": str(RELAXED_TIMEOUT),
-            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port),
-        }
+        env = _p_env(RELAXED_TIMEOUT, port)
         deployment.process = TemplateProcess("P", fill(template, values, "P"), env, self.log)
         await deployment.process.spawn()
         return deployment
@@ -254,6 +244,17 @@ async def _listen_on_one_port(
         except OSError:
             await asyncio.gather(*(r.stop() for r in started.values()))
     raise RuntimeError(f"no port free at every address of {', '.join(hosts)}")
+
+
+def _p_env(attempt_timeout: float, own_port: int) -> dict[str, str]:
+    """P's environment: the bound on each registration attempt, and the port of the bootstrap
+    server P would serve itself."""
+    return {
+        **os.environ,
+        "MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR"),
+        "VLLM_MOONCAKE_CONNECTOR_TIMEOUT": str(attempt_timeout),
+        "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(own_port),
+    }
 
 
 class RegistrationEnv:
