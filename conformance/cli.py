@@ -71,6 +71,13 @@ def _geometry(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-heads", type=int)
     g.add_argument("--head-dim", type=int)
     g.add_argument("--block-size", type=int)
+    g.add_argument(
+        "--kernel-block-size",
+        type=int,
+        metavar="N",
+        help="P's attention kernel block size, when smaller than its block size: each block "
+        "id then stands for block_size/N rows of P's and D's regions (10.6.6)",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -471,6 +478,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
         max_message_bytes=args.max_message_bytes,
+        kernel_block_size=args.kernel_block_size,
     )
 
 

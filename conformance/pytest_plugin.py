@@ -92,6 +92,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the testee's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (timer cases)",
     )
     group.addoption(
+        "--pdwire-kernel-block-size",
+        type=int,
+        metavar="N",
+        help="with --pdwire-producer: P's attention kernel block size, when smaller than its "
+        "block size (10.6.6)",
+    )
+    group.addoption(
         "--pdwire-timeout",
         type=float,
         default=10.0,
@@ -181,7 +188,11 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
         api, _, bootstrap = target.partition("@")
         penv = ProducerEnv(
             ProducerOptions(
-                api=api, bootstrap=bootstrap, abort_timeout=abort, request_timeout=timeout
+                api=api,
+                bootstrap=bootstrap,
+                abort_timeout=abort,
+                request_timeout=timeout,
+                kernel_block_size=config.getoption("--pdwire-kernel-block-size"),
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)

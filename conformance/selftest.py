@@ -48,10 +48,17 @@ class Layout:
     kv_heads: int = testees.KV_HEADS  # of the model: fewer than a TP size replicate the KV
     abort_timeout: float = testees.ABORT_TIMEOUT  # T of P and D
     prefill_delay: float = 0.0  # how long P's prefill takes (pdwire node --prefill-delay)
+    kernel_block_size: int = 0  # the testees' kernel block size (10.6.6); 0: the block size
 
     @property
     def geometry(self) -> Geometry:
-        return Geometry(testees.LAYERS, self.kv_heads, testees.HEAD_DIM, testees.BLOCK_SIZE)
+        return Geometry(
+            testees.LAYERS,
+            self.kv_heads,
+            testees.HEAD_DIM,
+            testees.BLOCK_SIZE,
+            kernel_block_size=self.kernel_block_size or None,
+        )
 
 
 DEFAULT: Final = Layout()
@@ -64,12 +71,15 @@ PARALLEL: Final = Layout(prefill_tp=1, prefill_pp=2, decode_tp=2)
 REPLICATED: Final = Layout(kv_heads=1)
 #: The testee of the case of a ready wait that restarts: a P whose prefill takes T/2.
 SLOW_PREFILL: Final = Layout(prefill_tp=1, abort_timeout=3.0, prefill_delay=1.5)
+#: The testee of the case of block ids that stand for kernel blocks: rows of half a block.
+KERNEL_BLOCKS: Final = Layout(prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE // 2)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
     "consumer/10.1/2": PARALLEL,
     "producer/10.8/5": REPLICATED,
     "producer/6.3/3": SLOW_PREFILL,
+    "producer/10.6/2": KERNEL_BLOCKS,
 }
 
 
@@ -111,6 +121,8 @@ def start(
     """A reference testee of ``layout``; with ``key_file``, sharing that key (§8.6)."""
     extra = ("--auth-key-file", key_file) if key_file else ()
     geometry = testees.geometry(layout.kv_heads)
+    if layout.kernel_block_size:
+        geometry = (*geometry, "--kernel-block-size", str(layout.kernel_block_size))
     if role == "prefill":
         delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(

@@ -28,7 +28,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "10.2.8": _GEOMETRY,
     "10.4.7": _GEOMETRY,
     "10.6.3": _GEOMETRY,
-    "10.6.6": _GEOMETRY,
     "10.6.7": _GEOMETRY,
     "10.7.8": _GEOMETRY,
     "10.10.7": _GEOMETRY,

@@ -47,6 +47,7 @@ class Side:
     regions: tuple[Region, ...]
     replicated: bool = False  # KV identical on every TP rank (MLA, or TP > KV heads)
     total_kv_heads: int | None = None
+    kernel_blocks: int = 1  # kernel blocks per block (10.6.6); the regions' rows are these
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,7 @@ class Plan:
     """How one P worker serves pulls of one D layout."""
 
     regions: tuple[RegionPlan, ...]
+    kernel_blocks: int = 1  # P's kernel blocks per block, which D's block ids share (10.6.6)
 
     @functools.cached_property
     def _compiled(self) -> _Compiled:
@@ -411,7 +413,7 @@ def prepare(producer: Side, consumer: Side) -> Plan | PlanError:
         if placed.src.group_index < 0 and not _shared_groups(placed):
             return _alignment_error(es.SHARED_GROUP_METADATA)
         regions.append(placed)
-    return Plan(tuple(regions))
+    return Plan(tuple(regions), producer.kernel_blocks)
 
 
 # -- descriptors (§10.6, §10.8.12-14) ---------------------------------------------------------
@@ -513,6 +515,16 @@ def _select(
     return selected
 
 
+def _kernel_ids(ids: _Ids, q: int) -> _Ids:
+    """10.6.6: each block id ``b`` of both sides as the kernel blocks ``b*q ... b*q+q-1``."""
+    rows = np.arange(q, dtype=np.uint64)
+    src, dst = ids
+    return (
+        (src[:, None] * np.uint64(q) + rows).ravel(),
+        (dst[:, None] * np.uint64(q) + rows).ravel(),
+    )
+
+
 def _source_ids(selected: Sequence[_Ids], groups: tuple[int, ...]) -> _Ids:
     if len(groups) == 1:
         return selected[groups[0]]
@@ -583,15 +595,18 @@ def descriptors(
     """The descriptors that copy one request: block selection per group (§10.6), then one
     descriptor per run of consecutive blocks or per block (§10.8.12-14).
 
-    ``src_blocks``: P's block ids per KV-cache group; ``dst_blocks``: D's, from the pull (kernel
-    block ids, after any 10.6.3 null-block filtering). A release-only request (no D blocks) gives
-    no descriptors. Descriptors go region by region in plan order, blocks in order; regions that
-    do not write (10.8.7) give none."""
+    ``src_blocks``: P's block ids per KV-cache group; ``dst_blocks``: D's, from the pull (after
+    any 10.6.3 null-block filtering). With ``plan.kernel_blocks`` q above 1, each selected id
+    ``b`` of both sides stands for the region rows ``b*q ... b*q+q-1`` (10.6.6). A release-only
+    request (no D blocks) gives no descriptors. Descriptors go region by region in plan order,
+    blocks in order; regions that do not write (10.8.7) give none."""
     if _release_only(dst_blocks):
         return Descriptors.empty()
     selected = _select(src_blocks, dst_blocks)
     if isinstance(selected, PlanError):
         return selected
+    if plan.kernel_blocks > 1:
+        selected = [_kernel_ids(ids, plan.kernel_blocks) for ids in selected]
     compiled = plan._compiled
     ids = _gather_ids(compiled, selected)
     if isinstance(ids, PlanError):

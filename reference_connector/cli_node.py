@@ -74,6 +74,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     geometry.add_argument("--kv-heads", type=int, default=8)
     geometry.add_argument("--head-dim", type=int, default=128)
     geometry.add_argument("--block-size", type=int, default=16)
+    geometry.add_argument(
+        "--kernel-block-size",
+        type=int,
+        default=None,
+        help="tokens per row of each KV region, a divisor of --block-size (default: the block "
+        "size); a pull's block id b then stands for rows b*q ... b*q+q-1 (spec 10.6.6)",
+    )
     geometry.add_argument("--num-blocks", type=int, default=512, help="blocks per worker pool")
     geometry.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     geometry.add_argument("--vocab", type=int, default=32000)
@@ -194,6 +201,13 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)
         return 2
+    kernel = args.kernel_block_size
+    if kernel is not None and (kernel < 1 or args.block_size % kernel):
+        print(
+            f"pdwire node: --kernel-block-size {kernel} must divide --block-size {args.block_size}",
+            file=sys.stderr,
+        )
+        return 2
     if key is not None and args.profile == LEGACY:
         print("pdwire node: the legacy profile cannot carry auth_tag (§8.6)", file=sys.stderr)
         return 2
@@ -223,6 +237,7 @@ def run(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             vocab=args.vocab,
             num_blocks=args.num_blocks,
+            kernel_block_size=args.kernel_block_size,
         )
         config = NodeConfig(
             role=role,

@@ -48,6 +48,7 @@ class KVShape:
     dtype: str = "bfloat16"
     vocab: int = 32000
     num_blocks: int = 512
+    kernel_block_size: int | None = None  # the pool's rows, when smaller than a block (10.6.6)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -57,6 +58,11 @@ class KVShape:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.vocab < 2:
             raise ValueError(f"vocab must be at least 2, got {self.vocab}")
+        kernel = self.kernel_block_size
+        if kernel is not None and (kernel < 1 or self.block_size % kernel):
+            raise ValueError(
+                f"kernel_block_size must divide block_size {self.block_size}, got {kernel}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -73,6 +79,7 @@ class KVShape:
             block_size=self.block_size,
             dtype_bytes=2,
             num_blocks=self.num_blocks,
+            kernel_block_size=self.kernel_block_size,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:
@@ -159,20 +166,21 @@ class ContextDigest:
         self._shape = (layers, 2, heads)
         self._rows = [hashlib.blake2b(digest_size=8) for _ in range(layers * 2 * heads)]
 
-    def update(self, pool: Words, blocks: Sequence[int], start: int, end: int) -> None:
+    def update(self, pool: Words, rows: Sequence[int], start: int, end: int) -> None:
         """Hash positions ``[start, end)`` of the request, read from ``pool`` (int16
-        [layers, 2, pool blocks, heads, block_size, channels]) through its ``blocks``."""
-        bs = pool.shape[4]
+        [layers, 2, pool rows, heads, row tokens, channels]) through the ``rows`` that hold
+        the request, in order (a row is a block, or a kernel block: ``KVPool.rows``)."""
+        tokens = pool.shape[4]
         layers, _, heads = self._shape
         pos = start
         while pos < end:
-            block, slot = blocks[pos // bs], pos % bs
-            stop = min(end - pos, bs - slot) + slot
-            rows = pool[:, :, block, :, slot:stop, :]
+            row, slot = rows[pos // tokens], pos % tokens
+            stop = min(end - pos, tokens - slot) + slot
+            part = pool[:, :, row, :, slot:stop, :]
             for layer in range(layers):
                 for kv in range(2):
                     for head in range(heads):
-                        self._rows[(layer * 2 + kv) * heads + head].update(rows[layer, kv, head])
+                        self._rows[(layer * 2 + kv) * heads + head].update(part[layer, kv, head])
             pos += stop - slot
 
     def digests(self) -> bytes:

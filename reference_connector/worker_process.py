@@ -91,7 +91,7 @@ class _Worker:
             self._agent().transfer_started(transfer_id, req)
         pool.write_prompt(ids, blocks)
         digest = pool.new_digest()
-        digest.update(pool.words, blocks, 0, len(ids))
+        pool.digest(digest, blocks, 0, len(ids))
         if keep:
             self._digests[req] = digest
         return digest.digests()
@@ -124,7 +124,7 @@ class _Worker:
         pool = self._pool()
         ok, nbytes = pool.verify(ids, blocks)
         digest = pool.new_digest()
-        digest.update(pool.words, blocks, 0, len(ids))
+        pool.digest(digest, blocks, 0, len(ids))
         self._digests[req] = digest
         return ok, nbytes, digest.digests()
 
@@ -133,7 +133,7 @@ class _Worker:
         pool = self._pool()
         pool.append(token, position, blocks)
         digest = self._digests[req]
-        digest.update(pool.words, blocks, position, position + 1)
+        pool.digest(digest, blocks, position, position + 1)
         return digest.digests()
 
     def op_free(self, req: str) -> None:

@@ -111,7 +111,9 @@ class DWorker:
         self.pp_rank = pp_rank
         simulated = geometry.side(tp_size, tp_rank, pp_size, pp_rank, 0)
         origin = simulated.regions[0].base_addr
-        end = max(r.base_addr + r.block_len * geometry.num_blocks for r in simulated.regions)
+        self.q = geometry.kernel_blocks  # rows per block (10.6.6)
+        rows = geometry.num_blocks * self.q
+        end = max(r.base_addr + r.block_len * rows for r in simulated.regions)
         self.memory, addr = engine.allocate(end - origin + 2 * GUARD, SENTINEL)
         base = addr + GUARD
         self.side = dataclasses.replace(
@@ -149,22 +151,31 @@ class DWorker:
                 self._held.discard(b)
                 self._free.append(b)
                 for i in range(len(self.regions)):
-                    self.block(i, b)[:] = SENTINEL
+                    for row in self.rows(i, b):
+                        row[:] = SENTINEL
         self._free.sort()
 
-    def block(self, region: int, block: int) -> npt.NDArray[np.uint8]:
-        """The payload bytes of ``block`` in region ``region``."""
+    def rows(self, region: int, block: int) -> list[npt.NDArray[np.uint8]]:
+        """The payload bytes of each of ``block``'s rows in region ``region``: the block
+        itself, or its kernel blocks (10.6.6)."""
         r = self.regions[region]
-        start = r.base_addr - self._addr + block * r.block_len
-        return self.memory[start : start + r.kv_block_len]
+        first = r.base_addr - self._addr + block * self.q * r.block_len
+        starts = range(first, first + self.q * r.block_len, r.block_len)
+        return [self.memory[start : start + r.kv_block_len] for start in starts]
+
+    def block(self, region: int, block: int) -> npt.NDArray[np.uint8]:
+        """The payload bytes of ``block`` in region ``region`` (a copy, rows in order)."""
+        rows = self.rows(region, block)
+        return rows[0].copy() if len(rows) == 1 else np.concatenate(rows)
 
     def unwritten(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
-        """(region, block) pairs among ``blocks`` whose payload is still all sentinel."""
+        """(region, block) pairs among ``blocks`` with a row whose payload is still all
+        sentinel."""
         return [
             (i, b)
             for i in range(len(self.regions))
             for b in blocks
-            if bool(np.all(self.block(i, b) == SENTINEL))
+            if any(bool(np.all(row == SENTINEL)) for row in self.rows(i, b))
         ]
 
     def stray_bytes(self) -> int:
@@ -173,8 +184,8 @@ class DWorker:
         for i in range(len(self.regions)):
             for b in self._held:
                 r = self.regions[i]
-                start = r.base_addr - self._addr + b * r.block_len
-                mask[start : start + r.block_len] = False
+                start = r.base_addr - self._addr + b * self.q * r.block_len
+                mask[start : start + self.q * r.block_len] = False
         return int(np.count_nonzero(self.memory[mask] != SENTINEL))
 
     def snapshot(self, blocks: Sequence[int]) -> list[bytes]:

@@ -48,6 +48,7 @@ class ProducerOptions:
     request_timeout: float = 30.0
     auth_key: bytes | None = None  # the key P shares (§8.6): pdwire/2 pulls and cancels signed
     max_message_bytes: int | None = None  # P's size limit on side-channel messages, when known
+    kernel_block_size: int | None = None  # P's attention kernel's, when below its block size
 
 
 class ProducerEnv:
@@ -95,7 +96,13 @@ class ProducerEnv:
                 )
             f = self.fingerprint
             geometry = Geometry(f.num_layers, f.num_kv_heads, f.head_size, f.block_size)
-        self.geometry = dataclasses.replace(geometry, num_blocks=DEFAULT_BLOCKS)
+        kernel = self.options.kernel_block_size or geometry.kernel_block_size
+        try:
+            self.geometry = dataclasses.replace(
+                geometry, num_blocks=DEFAULT_BLOCKS, kernel_block_size=kernel
+            )
+        except ValueError as exc:
+            raise RuntimeError(f"{exc}: check --kernel-block-size") from None
         if not self.model:
             models = await request(self.http, "GET", f"{self.options.api}/v1/models", log)
             try:

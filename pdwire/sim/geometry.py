@@ -20,6 +20,19 @@ class Geometry:
     block_size: int = 16
     dtype_bytes: int = 2
     num_blocks: int = 4096
+    kernel_block_size: int | None = None  # the attention kernel's; None: block_size (10.6.6)
+
+    def __post_init__(self) -> None:
+        if self.block_size % (self.kernel_block_size or self.block_size):
+            raise ValueError(
+                f"the kernel block size {self.kernel_block_size} must divide the block size "
+                f"{self.block_size}"
+            )
+
+    @property
+    def kernel_blocks(self) -> int:
+        """Kernel blocks per block: a block id ``b`` stands for rows ``b*q ... b*q+q-1``."""
+        return self.block_size // (self.kernel_block_size or self.block_size)
 
     def fingerprint(self, model: str) -> Fingerprint:
         """The compatibility fingerprint (§3.6) of ``model`` in this geometry, bf16 in LBHNC."""
@@ -34,9 +47,10 @@ class Geometry:
         )
 
     def block_bytes(self, tp_size: int) -> int:
-        """Payload of one layer's K (or V) for one block on one TP rank."""
+        """Payload of one layer's K (or V) for one kernel block on one TP rank."""
         heads = max(1, self.num_kv_heads // tp_size)
-        return heads * self.head_dim * self.block_size * self.dtype_bytes
+        tokens = self.block_size // self.kernel_blocks
+        return heads * self.head_dim * tokens * self.dtype_bytes
 
     def stage_layers(self, pp_size: int, pp_rank: int) -> range:
         per = -(-self.num_layers // pp_size)
@@ -45,7 +59,7 @@ class Geometry:
     def side(self, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, worker: int) -> Side:
         """The regions of one worker: K and V of each layer of its PP stage."""
         length = self.block_bytes(tp_size)
-        span = length * self.num_blocks
+        span = length * self.num_blocks * self.kernel_blocks
         base = _BASE + worker * (2 * self.num_layers + 1) * span
         regions = tuple(
             Region(
@@ -66,4 +80,5 @@ class Geometry:
             regions=regions,
             replicated=tp_size > self.num_kv_heads,
             total_kv_heads=self.num_kv_heads,
+            kernel_blocks=self.kernel_blocks,
         )

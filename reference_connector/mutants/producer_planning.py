@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdwire import planning
+from pdwire import producer as producer_module
 from pdwire.messages import ErrorCode
 from pdwire.planning import PlanError, Region, RegionPlan, Side
 
@@ -117,3 +118,17 @@ def _runs_by_source_only() -> None:
         return original(src, src - src[:1] + dst[:1])
 
     replace(planning, "_runs", runs)
+
+
+@mutant(
+    "blocks-as-kernel-blocks",
+    "prefill",
+    "takes each block id for one kernel block when a block holds several",
+)
+def _blocks_as_kernel_blocks() -> None:
+    original = planning.descriptors
+
+    def descriptors(plan: planning.Plan, src: Any, dst: Any) -> Any:
+        return original(dataclasses.replace(plan, kernel_blocks=1), src, dst)
+
+    replace(producer_module, "descriptors", descriptors)

@@ -11,6 +11,7 @@ started once for the module (in parallel); after each test every pool must be em
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import time
@@ -31,13 +32,15 @@ from reference_connector.node_worker import WorkerError
 SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=4, num_blocks=192, vocab=256)
 MAX_TOKENS = 6
 WAIT = 30.0  # seconds any HTTP request may take
-#: name -> (role, TP, PP, load-failure policy)
-NODES: dict[str, tuple[str, int, int, Policy]] = {
-    "p1": ("prefill", 1, 1, "fail"),
-    "p_tp2": ("prefill", 2, 1, "fail"),
-    "p_pp2": ("prefill", 1, 2, "fail"),
-    "d1": ("decode", 1, 1, "fail"),
-    "d_tp2": ("decode", 2, 1, "recompute"),
+#: name -> (role, TP, PP, load-failure policy, kernel block size: rows of 2 tokens, 10.6.6)
+NODES: dict[str, tuple[str, int, int, Policy, int | None]] = {
+    "p1": ("prefill", 1, 1, "fail", None),
+    "p_tp2": ("prefill", 2, 1, "fail", None),
+    "p_pp2": ("prefill", 1, 2, "fail", None),
+    "p_tp2_k2": ("prefill", 2, 1, "fail", 2),
+    "d1": ("decode", 1, 1, "fail", None),
+    "d_tp2": ("decode", 2, 1, "recompute", None),
+    "d_k2": ("decode", 1, 1, "fail", 2),
 }
 
 
@@ -100,11 +103,11 @@ class Cluster:
             return p_reply, d_future.result()
 
 
-def _start(role: str, tp: int, pp: int, policy: Policy) -> NodeServer:
+def _start(role: str, tp: int, pp: int, policy: Policy, kernel: int | None) -> NodeServer:
     """A node; a P serves its own bootstrap server on a free port (one per P instance)."""
     config = NodeConfig(
         role="prefill" if role == "prefill" else "decode",
-        shape=SHAPE,
+        shape=dataclasses.replace(SHAPE, kernel_block_size=kernel),
         tp_size=tp,
         pp_size=pp,
         bootstrap_port=0,
@@ -174,7 +177,7 @@ def _prompt_bytes(prompt: str) -> int:
 
 
 def test_health_models_and_stats(cluster: Cluster) -> None:
-    for name, (role, tp, pp, _) in NODES.items():
+    for name, (role, tp, pp, *_) in NODES.items():
         url = cluster.nodes[name].url
         assert cluster.http.get(f"{url}/health").status_code == 200
         models = cluster.http.get(f"{url}/v1/models").json()
@@ -207,7 +210,8 @@ def test_chat_completion(cluster: Cluster) -> None:
 
 
 @pytest.mark.parametrize(
-    ("p", "d"), [("p1", "d1"), ("p_tp2", "d1"), ("p1", "d_tp2"), ("p_pp2", "d1")]
+    ("p", "d"),
+    [("p1", "d1"), ("p_tp2", "d1"), ("p1", "d_tp2"), ("p_pp2", "d1"), ("p_tp2_k2", "d_k2")],
 )
 def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> None:
     prompt = probe(stop=False)

@@ -580,6 +580,24 @@ def test_tp_ratio_plan_does_not_coalesce_contiguous_ids() -> None:
     assert len(d) == 2 * g.LAYERS * 3
 
 
+def test_kernel_blocks_stand_for_their_rows() -> None:
+    """10.6.6: with q kernel blocks per block, block b of either side is rows b*q ... b*q+q-1;
+    runs still need both sides' rows to step by +1, and P's last blocks are chosen first."""
+    s, d = page_region(0x10000), page_region(0x90000)
+    plan = Plan((RegionPlan(s, d, 0, 0, PAGE, True),), kernel_blocks=2)
+    result = descs_of(descriptors(plan, [[9, 1, 2, 6]], [[3, 4, 7]]))
+    assert triples(result) == [
+        (0x10000 + 2 * PAGE, 0x90000 + 6 * PAGE, 4 * PAGE),  # rows 2-5 to rows 6-9
+        (0x10000 + 12 * PAGE, 0x90000 + 14 * PAGE, 2 * PAGE),  # rows 12-13 to rows 14-15
+    ]
+    half = Plan((RegionPlan(s, d, 0, PAGE // 2, PAGE // 2, True),), kernel_blocks=2)
+    result = descs_of(descriptors(half, [[5]], [[1]]))
+    assert triples(result) == [
+        (0x10000 + 10 * PAGE, 0x90000 + 2 * PAGE + PAGE // 2, PAGE // 2),
+        (0x10000 + 11 * PAGE, 0x90000 + 3 * PAGE + PAGE // 2, PAGE // 2),
+    ]
+
+
 def test_shared_region_takes_groups_blocks_together_in_group_order() -> None:
     plan = simple_plan(
         (page_region(0x10000, -1, (2, 0)), page_region(0x90000, -1, (0, 2))),
