@@ -16,9 +16,9 @@ from .requirements import Level, Requirement, catalogue
 #: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
 #: when a case covers it (a test fails on a stale entry).
 _GEOMETRY = (
-    "a KV-cache geometry the testees here do not have (hybrid KV-cache manager, Mamba, "
-    "kernel blocks smaller than blocks, shared groups, packed rows): the harness can only check "
-    "it against an engine that runs such a model"
+    "a KV-cache geometry the testees here do not have (several KV-cache groups, as the hybrid "
+    "KV-cache manager makes them: sliding windows, Mamba, shared groups; packed rows): the "
+    "harness can only check it against an engine that runs such a model"
 )
 UNCOVERED: Final[dict[str, str]] = {
     "2.1-R4": "whether a sender's list was empty or nil is the sender's own value: both decode "

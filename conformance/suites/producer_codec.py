@@ -308,11 +308,14 @@ async def payload_past_the_stride(t: ProducerCtx) -> None:
 async def expect_served(
     t: ProducerCtx, variants: dict[str, Alter], *, announce: bool = False
 ) -> dict[str, list[list[Any]]]:
-    """Each variant of a pull for its own ready transfer is served like any pull: FINISH with
-    the request in ok_reqs and every block written. A D of TP 1 pulls from every P rank, so
-    each transfer is settled. Returns each variant's replies' top-level keys."""
+    """Each variant of a pull for its own transfer is served like any pull: FINISH with the
+    request in ok_reqs and every block written. A D of TP 1 pulls from every P rank, so each
+    transfer is settled. Returns each variant's replies' top-level keys.
+
+    The pulls go with the P legs, not after them: P's ready wait and retention timer then run
+    only for the time between the two, however long a large pull takes to reach P."""
     worker = t.worker(1, 0)
-    tids = await t.ready(len(variants), TOKENS)
+    tids = [t.new_transfer_id() for _ in variants]
     n = t.blocks_for(TOKENS)
     jobs: list[tuple[str, str, list[int], bytes]] = []
     try:
@@ -321,7 +324,10 @@ async def expect_served(
             m = t.pull_map(worker, {d_req: (tid, [blocks])}, announce=announce)
             jobs.append((name, d_req, blocks, alter(m)))
         addrs = t.targets(worker)
+        legs = [t.start_prefill(tid, TOKENS) for tid in tids]
         results = await asyncio.gather(*(t.send(a, j[3]) for j in jobs for a in addrs))
+        for leg in await asyncio.gather(*legs):
+            t.expect_leg_ok(leg)
         keys: dict[str, list[list[Any]]] = {}
         for i, (name, d_req, blocks, _) in enumerate(jobs):
             for addr, r in zip(addrs, results[i * len(addrs) : (i + 1) * len(addrs)], strict=True):
