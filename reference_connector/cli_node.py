@@ -201,12 +201,19 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)
         return 2
-    kernel = args.kernel_block_size
-    if kernel is not None and (kernel < 1 or args.block_size % kernel):
-        print(
-            f"pdwire node: --kernel-block-size {kernel} must divide --block-size {args.block_size}",
-            file=sys.stderr,
+    try:
+        shape = KVShape(
+            num_layers=args.layers,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.head_dim,
+            block_size=args.block_size,
+            dtype=args.dtype,
+            vocab=args.vocab,
+            num_blocks=args.num_blocks,
+            kernel_block_size=args.kernel_block_size,
         )
+    except ValueError as exc:
+        print(f"pdwire node: {exc}", file=sys.stderr)
         return 2
     if key is not None and args.profile == LEGACY:
         print("pdwire node: the legacy profile cannot carry auth_tag (§8.6)", file=sys.stderr)
@@ -229,16 +236,6 @@ def run(args: argparse.Namespace) -> int:
             return 2
 
     def start() -> NodeServer:
-        shape = KVShape(
-            num_layers=args.layers,
-            num_kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            block_size=args.block_size,
-            dtype=args.dtype,
-            vocab=args.vocab,
-            num_blocks=args.num_blocks,
-            kernel_block_size=args.kernel_block_size,
-        )
         config = NodeConfig(
             role=role,
             shape=shape,

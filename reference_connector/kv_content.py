@@ -58,11 +58,7 @@ class KVShape:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.vocab < 2:
             raise ValueError(f"vocab must be at least 2, got {self.vocab}")
-        kernel = self.kernel_block_size
-        if kernel is not None and (kernel < 1 or self.block_size % kernel):
-            raise ValueError(
-                f"kernel_block_size must divide block_size {self.block_size}, got {kernel}"
-            )
+        self.geometry()  # checks kernel_block_size
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -159,7 +159,7 @@ class DWorker:
         """The payload bytes of each of ``block``'s rows in region ``region``: the block
         itself, or its kernel blocks (10.6.6)."""
         r = self.regions[region]
-        first = r.base_addr - self._addr + block * self.q * r.block_len
+        first = self._start(r, block)
         starts = range(first, first + self.q * r.block_len, r.block_len)
         return [self.memory[start : start + r.kv_block_len] for start in starts]
 
@@ -184,9 +184,13 @@ class DWorker:
         for i in range(len(self.regions)):
             for b in self._held:
                 r = self.regions[i]
-                start = r.base_addr - self._addr + b * self.q * r.block_len
+                start = self._start(r, b)
                 mask[start : start + self.q * r.block_len] = False
         return int(np.count_nonzero(self.memory[mask] != SENTINEL))
+
+    def _start(self, region: Region, block: int) -> int:
+        """Where ``block``'s first row of ``region`` lies in ``memory``."""
+        return region.base_addr - self._addr + block * self.q * region.block_len
 
     def snapshot(self, blocks: Sequence[int]) -> list[bytes]:
         """The payload of each (region, block), in region-major order: for comparing the bytes

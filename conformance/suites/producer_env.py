@@ -479,11 +479,8 @@ class ProducerCtx:
         n = blocks if blocks is not None else self.blocks_for(len(ids))
         workers = self.d_workers(d_tp, d_pp)
         taken = {w: w.take(n, scattered=scattered) for w in workers}
-        answered = asyncio.Event()
 
         def pulls() -> asyncio.Future[list[list[tuple[DWorker, str, PullResult]]]]:
-            if pull_first:
-                fields["on_reply"] = lambda _: answered.set()
             return asyncio.gather(
                 *(
                     self.pull_to_targets(w, tid, d_req, taken[w], announce=announce, **fields)
@@ -492,6 +489,8 @@ class ProducerCtx:
             )
 
         if pull_first:
+            answered = asyncio.Event()
+            fields["on_reply"] = lambda _: answered.set()
             pending = pulls()
             early = await _is_set_within(answered, self.pull_first_quiet)
             prefill = await self.prefill(tid, prompt=ids, leg_params=leg_params)

@@ -23,10 +23,10 @@ class Geometry:
     kernel_block_size: int | None = None  # the attention kernel's; None: block_size (10.6.6)
 
     def __post_init__(self) -> None:
-        if self.block_size % (self.kernel_block_size or self.block_size):
+        kernel = self.kernel_block_size
+        if kernel is not None and (kernel < 1 or self.block_size % kernel):
             raise ValueError(
-                f"the kernel block size {self.kernel_block_size} must divide the block size "
-                f"{self.block_size}"
+                f"kernel_block_size must divide block_size {self.block_size}, got {kernel}"
             )
 
     @property
