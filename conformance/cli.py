@@ -78,6 +78,13 @@ def _geometry(p: argparse.ArgumentParser) -> None:
         help="P's attention kernel block size, when smaller than its block size: each block "
         "id then stands for block_size/N rows of P's and D's regions (10.6.6)",
     )
+    g.add_argument(
+        "--sliding-window",
+        type=int,
+        metavar="W",
+        help="the sliding window, in tokens, of P's odd layers, which then form KV-cache group "
+        "1: D lists only the last ceil(W / block size) + 1 of a prompt's blocks there (10.4.7)",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -154,6 +161,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the command line that starts a D like the one at --api, for the case that "
         "restarts D (3.7-R2); placeholders {port} (its API) and {python}; set a fixed engine "
         "id in it where D takes one (the case is skipped without it)",
+    )
+    cons.add_argument(
+        "--sliding-window",
+        type=int,
+        metavar="W",
+        help="the sliding window, in tokens, of D's KV-cache group 1, when it has one: D must "
+        "list there only the last ceil(W / block size) + 1 of a prompt's blocks (10.4.7)",
     )
     _auth_key(cons, "D")
     _common(cons)
@@ -479,6 +493,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         auth_key=read_auth_key(args),
         max_message_bytes=args.max_message_bytes,
         kernel_block_size=args.kernel_block_size,
+        sliding_window=args.sliding_window,
     )
 
 
@@ -512,6 +527,7 @@ def cmd_consumer(args: argparse.Namespace) -> int:
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
         d_command=args.d_command,
+        sliding_window=args.sliding_window,
     )
     testee = {"role": "consumer", "api": options.api}
     return _run(

@@ -99,6 +99,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "block size (10.6.6)",
     )
     group.addoption(
+        "--pdwire-sliding-window",
+        type=int,
+        metavar="W",
+        help="the sliding window of the testee's KV-cache group 1 (10.4.7): with "
+        "--pdwire-producer, P's odd layers; with --pdwire-consumer, D's group 1",
+    )
+    group.addoption(
         "--pdwire-timeout",
         type=float,
         default=10.0,
@@ -193,6 +200,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 abort_timeout=abort,
                 request_timeout=timeout,
                 kernel_block_size=config.getoption("--pdwire-kernel-block-size"),
+                sliding_window=config.getoption("--pdwire-sliding-window"),
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)
@@ -205,6 +213,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 abort_timeout=abort,
                 request_timeout=timeout,
                 d_command=config.getoption("--pdwire-d-command"),
+                sliding_window=config.getoption("--pdwire-sliding-window"),
             )
         )
         return cenv, lambda log: ConsumerCtx(cenv, log)

@@ -49,6 +49,7 @@ class Layout:
     abort_timeout: float = testees.ABORT_TIMEOUT  # T of P and D
     prefill_delay: float = 0.0  # how long P's prefill takes (pdwire node --prefill-delay)
     kernel_block_size: int = 0  # the testees' kernel block size (10.6.6); 0: the block size
+    sliding_window: int = 0  # the testees' sliding window over their odd layers (10.4.7); 0: none
 
     @property
     def geometry(self) -> Geometry:
@@ -58,6 +59,7 @@ class Layout:
             testees.HEAD_DIM,
             testees.BLOCK_SIZE,
             kernel_block_size=self.kernel_block_size or None,
+            sliding_window=self.sliding_window or None,
         )
 
 
@@ -73,6 +75,9 @@ REPLICATED: Final = Layout(kv_heads=1)
 SLOW_PREFILL: Final = Layout(prefill_tp=1, abort_timeout=3.0, prefill_delay=1.5)
 #: The testee of the case of block ids that stand for kernel blocks: rows of half a block.
 KERNEL_BLOCKS: Final = Layout(prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE // 2)
+#: The testees of the cases of a sliding-window KV-cache group: a window of one block, of which
+#: a transfer carries the prompt's last two blocks.
+WINDOW: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
@@ -80,6 +85,8 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.8/5": REPLICATED,
     "producer/6.3/3": SLOW_PREFILL,
     "producer/10.6/2": KERNEL_BLOCKS,
+    "producer/10.4/4": WINDOW,
+    "consumer/10.4/1": WINDOW,
 }
 
 
@@ -123,6 +130,8 @@ def start(
     geometry = testees.geometry(layout.kv_heads)
     if layout.kernel_block_size:
         geometry = (*geometry, "--kernel-block-size", str(layout.kernel_block_size))
+    if layout.sliding_window:
+        geometry = (*geometry, "--sliding-window", str(layout.sliding_window))
     if role == "prefill":
         delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(
@@ -268,6 +277,7 @@ async def run_suites(
             request_timeout=timeout,
             auth_key=bed.auth_key,
             d_command=reference_d_command(bed.mutant_of("decode")),
+            sliding_window=bed.layout.sliding_window or None,
         )
         results += await run_consumer(copts, cases, options, on_result)
     if Suite.PAIR in wanted and p is not None and d is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -20,6 +20,7 @@ from . import error_strings as es
 from .messages import ErrorCode, XferMetadata
 
 _U64 = npt.NDArray[np.uint64]
+_T = TypeVar("_T")
 _POSITIONAL: Final = "#"  # prefix of the names regions_of_pull gives unnamed regions
 
 
@@ -34,7 +35,7 @@ class Region:
     kv_block_len: int  # payload bytes per block (<= block_len)
     group_index: int = 0  # KV-cache group; -1 = packed region shared by several groups
     shared_group_ids: tuple[int, ...] = ()
-    row_offset: int = 0  # byte offset inside its block row; -1 = not a packed-row view
+    row_offset: int = -1  # byte offset inside its block row; -1 = not a packed-row view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +167,22 @@ def layout_of(regions: Sequence[Region]) -> dict[str, Any]:
         "registered_shared_group_ids": [list(r.shared_group_ids) for r in regions],
         "registered_row_offsets": [r.row_offset for r in regions],
     }
+
+
+def window_blocks(window: int, block_size: int) -> int:
+    """How many of a request's last blocks a sliding-window group transfers (10.4.7)."""
+    return -(-window // block_size) + 1
+
+
+def clip_window(blocks: Sequence[_T], window: int, block_size: int) -> Sequence[_T]:
+    """A sliding-window group's blocks as P and D transfer them: the last
+    ``window_blocks(window, block_size)`` (10.4.7)."""
+    return blocks[-window_blocks(window, block_size) :]
+
+
+def has_opaque_packed_row(regions: Sequence[Region]) -> bool:
+    """Whether a region is a whole packed row under its first layer name (3.2-R10, 10.2.8)."""
+    return any(r.row_offset == 0 and r.kv_block_len == r.block_len for r in regions)
 
 
 # -- TP pairing -------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from .planning import (
     PlanError,
     Side,
     descriptors,
+    has_opaque_packed_row,
     prepare,
     regions_of_pull,
     target_ranks,
@@ -439,7 +440,21 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                 d_tp_rank=msg.remote_tp_rank, p_tp_rank=side.tp_rank, expected=paired
             )
             return ErrorCode.TP_RANK_NOT_PAIRED, message, Status.ERROR
-        return self._check_pp_size(msg)
+        return self._check_stages(msg)
+
+    def _check_stages(self, msg: XferMetadataV2) -> tuple[ErrorCode, str, Status] | None:
+        """The PP checks of a pull whose TP rank is paired: §10.2.8, then §10.11.11."""
+        return self._check_packed_rows(msg) or self._check_pp_size(msg)
+
+    def _check_packed_rows(self, msg: XferMetadataV2) -> tuple[ErrorCode, str, Status] | None:
+        """§10.2.8: an opaque packed row hides the layers it holds from a PP-partial alignment."""
+        side = self.config.side
+        if msg.remote_pp_size == side.pp_size:
+            return None
+        if not (has_opaque_packed_row(side.regions) or has_opaque_packed_row(regions_of_pull(msg))):
+            return None
+        message = msgs.PP_PACKED_ROWS.format(p_pp_size=side.pp_size, d_pp_size=msg.remote_pp_size)
+        return ErrorCode.PP_PACKED_ROWS, message, Status.ERROR
 
     def _check_pp_size(self, msg: XferMetadataV2) -> tuple[ErrorCode, str, Status] | None:
         """§10.11.11: a D stage that holds part of the model but says it has one stage."""

@@ -81,6 +81,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="tokens per row of each KV region, a divisor of --block-size (default: the block "
         "size); a pull's block id b then stands for rows b*q ... b*q+q-1 (spec 10.6.6)",
     )
+    geometry.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="tokens of a sliding window over the odd layers, which then form a second KV-cache "
+        "group with block ids of their own; a transfer carries only the last "
+        "ceil(window / block size) + 1 of the prompt's blocks of that group (spec 10.4.7)",
+    )
     geometry.add_argument("--num-blocks", type=int, default=512, help="blocks per worker pool")
     geometry.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     geometry.add_argument("--vocab", type=int, default=32000)
@@ -211,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             num_blocks=args.num_blocks,
             kernel_block_size=args.kernel_block_size,
+            sliding_window=args.sliding_window,
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -49,6 +50,7 @@ class KVShape:
     vocab: int = 32000
     num_blocks: int = 512
     kernel_block_size: int | None = None  # the pool's rows, when smaller than a block (10.6.6)
+    sliding_window: int | None = None  # the odd layers' window: KV-cache group 1 (10.4.7)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -76,6 +78,7 @@ class KVShape:
             dtype_bytes=2,
             num_blocks=self.num_blocks,
             kernel_block_size=self.kernel_block_size,
+            sliding_window=self.sliding_window,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:
@@ -102,6 +105,47 @@ class KVShape:
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def table_sizes(self, prompt_tokens: int, tokens: int) -> tuple[list[int], list[int]]:
+        """(blocks per KV-cache group, each group's first block) of a request of
+        ``prompt_tokens`` that may grow to ``tokens``: a sliding-window group holds only the
+        prompt's last blocks it keeps (10.4.7), and every block after them."""
+        firsts = self.geometry().firsts(self.blocks_for(prompt_tokens))
+        return [self.blocks_for(tokens) - f for f in firsts], firsts
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockTable:
+    """A request's block ids per KV-cache group. ``firsts[g]``: which of the request's blocks
+    group ``g``'s first id holds (0, or in a sliding-window group the first block it kept)."""
+
+    ids: tuple[tuple[int, ...], ...]
+    firsts: tuple[int, ...]
+
+    @classmethod
+    def split(cls, ids: Sequence[int], sizes: Sequence[int], firsts: Sequence[int]) -> BlockTable:
+        """``ids`` cut into groups of ``sizes``, in group order."""
+        cuts = list(itertools.accumulate(sizes, initial=0))
+        groups = tuple(tuple(ids[a:b]) for a, b in itertools.pairwise(cuts))
+        return cls(groups, tuple(firsts))
+
+    @classmethod
+    def empty(cls, groups: int) -> BlockTable:
+        return cls(((),) * groups, (0,) * groups)
+
+    def all(self) -> list[int]:
+        return [b for group in self.ids for b in group]
+
+    def lists(self) -> list[list[int]]:
+        """The per-group lists a transfer carries."""
+        return [list(group) for group in self.ids]
+
+    def upto(self, blocks: int) -> BlockTable:
+        """The ids of the request's first ``blocks`` blocks (its prompt's, say)."""
+        return BlockTable(
+            tuple(g[: max(0, blocks - f)] for g, f in zip(self.ids, self.firsts, strict=True)),
+            self.firsts,
+        )
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -162,18 +206,29 @@ class ContextDigest:
         self._shape = (layers, 2, heads)
         self._rows = [hashlib.blake2b(digest_size=8) for _ in range(layers * 2 * heads)]
 
-    def update(self, pool: Words, rows: Sequence[int], start: int, end: int) -> None:
+    def update(
+        self,
+        pool: Words,
+        rows: Sequence[int],
+        start: int,
+        end: int,
+        layers: Sequence[int] | None = None,
+        first_row: int = 0,
+    ) -> None:
         """Hash positions ``[start, end)`` of the request, read from ``pool`` (int16
         [layers, 2, pool rows, heads, row tokens, channels]) through the ``rows`` that hold
-        the request, in order (a row is a block, or a kernel block: ``KVPool.rows``)."""
+        the request, in order (a row is a block, or a kernel block: ``KVPool.rows``).
+        ``layers``: the pool's layers to hash (default all); ``first_row``: which of the
+        request's rows ``rows[0]`` is (a sliding-window group's, 10.4.7)."""
         tokens = pool.shape[4]
-        layers, _, heads = self._shape
-        pos = start
+        _, _, heads = self._shape
+        chosen = range(self._shape[0]) if layers is None else layers
+        pos = max(start, first_row * tokens)
         while pos < end:
-            row, slot = rows[pos // tokens], pos % tokens
+            row, slot = rows[pos // tokens - first_row], pos % tokens
             stop = min(end - pos, tokens - slot) + slot
             part = pool[:, :, row, :, slot:stop, :]
-            for layer in range(layers):
+            for layer in chosen:
                 for kv in range(2):
                     for head in range(heads):
                         self._rows[(layer * 2 + kv) * heads + head].update(part[layer, kv, head])

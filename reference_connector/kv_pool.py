@@ -7,19 +7,23 @@ block size one of the block's ``q`` kernel blocks: block ``b`` is rows ``b*q ...
 (10.6.6). ``register`` hands the tensor to the transfer engine and returns
 the worker's ``Side`` with the regions' real base addresses. Block ids are the node's: every
 worker of a node holds the same block ids for a request (vLLM's scheduler allocates them once),
-so the allocator (``block_allocator``) lives in the node's front process.
+so the allocator (``block_allocator``) lives in the node's front process. With a sliding window
+(``KVShape.sliding_window``) the odd layers form KV-cache group 1, with block ids of their own
+(a ``BlockTable``): every id has its rows in every layer, and each group uses them in its own
+layers only, keeping of the prompt only the blocks its window needs (10.4.7).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
 from pdwire.planning import Side
 
-from .kv_content import ContextDigest, KVShape, Words, block_runs
+from .kv_content import BlockTable, ContextDigest, KVShape, Words, block_runs
 from .kv_values import kv_blocks, kv_values
 from .transport import MooncakeTransport
 
@@ -39,6 +43,17 @@ class KVPool:
         self.kv = torch.zeros((*dims, row_tokens, shape.head_dim), dtype=shape.torch_dtype)
         self._words = self.kv.view(torch.int16)
         self.words: Words = self._words.numpy()
+        geometry = shape.geometry()
+        self.num_groups = geometry.num_groups
+        #: per KV-cache group, its layers: positions on the pool's layer axis, and as an index
+        self._group_layers = [
+            [i for i, layer in enumerate(self.layers) if geometry.group_of(layer) == g]
+            for g in range(self.num_groups)
+        ]
+        self._layers: list[Any] = [
+            slice(None) if self.num_groups == 1 else torch.tensor(chosen)
+            for chosen in self._group_layers
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -63,6 +78,12 @@ class KVPool:
         q = self.q
         return [b * q + j for b in blocks for j in range(q)]
 
+    def _groups(self, table: BlockTable) -> Iterator[tuple[Any, list[int], int]]:
+        """Per KV-cache group: its layers (an index of the pool's layer axis), the rows of its
+        blocks, and which of the request's rows the first of them is."""
+        for layers, ids, first in zip(self._layers, table.ids, table.firsts, strict=True):
+            yield layers, self.rows(ids), first * self.q
+
     def expected(self, ids: Sequence[int]) -> torch.Tensor:
         """The int16 patterns of this worker's rows of prompt ``ids``' blocks."""
         values = kv_blocks(self.shape, ids, self.layers, self.heads)
@@ -73,36 +94,50 @@ class KVPool:
         rows = split.permute(0, 1, 2, 4, 3, 5, 6)
         return rows.reshape(layers, kv, blocks * self.q, heads, tokens // self.q, channels)
 
-    def write_prompt(self, ids: Sequence[int], blocks: Sequence[int]) -> int:
-        """Compute the prompt's KV slice into ``blocks``; return the bytes written."""
-        values = self.expected(ids)
-        for i, first, count in block_runs(self.rows(blocks)[: values.shape[2]]):
-            self._words[:, :, first : first + count].copy_(values[:, :, i : i + count])
-        return values.numel() * 2
+    def _runs(self, ids: Sequence[int], table: BlockTable) -> Iterator[tuple[Any, slice, slice]]:
+        """(layers, pool rows, rows of ``expected(ids)``) of each run of the prompt's rows."""
+        total = self.shape.blocks_for(len(ids)) * self.q
+        for layers, rows, first in self._groups(table):
+            for i, start, count in block_runs(rows[: max(0, total - first)]):
+                yield layers, slice(start, start + count), slice(first + i, first + i + count)
 
-    def zero(self, blocks: Sequence[int]) -> None:
-        for _, first, count in block_runs(self.rows(blocks)):
+    def write_prompt(self, ids: Sequence[int], table: BlockTable) -> int:
+        """Compute the prompt's KV slice into the table's blocks; return the bytes written."""
+        values = self.expected(ids)
+        written = 0
+        for layers, rows, source in self._runs(ids, table):
+            part = values[layers, :, source]
+            self._words[layers, :, rows] = part
+            written += part.numel() * 2
+        return written
+
+    def zero(self, table: BlockTable) -> None:
+        for _, first, count in block_runs(self.rows(table.all())):
             self._words[:, :, first : first + count].zero_()
 
-    def verify(self, ids: Sequence[int], blocks: Sequence[int]) -> tuple[bool, int]:
-        """Whether ``blocks`` hold exactly the prompt's KV slice, and the bytes compared."""
+    def verify(self, ids: Sequence[int], table: BlockTable) -> tuple[bool, int]:
+        """Whether the table's blocks hold exactly the prompt's KV slice, and the bytes
+        compared."""
         values = self.expected(ids)
-        ok = all(
-            torch.equal(self._words[:, :, first : first + count], values[:, :, i : i + count])
-            for i, first, count in block_runs(self.rows(blocks)[: values.shape[2]])
-        )
-        return ok, values.numel() * 2
+        ok, compared = True, 0
+        for layers, rows, source in self._runs(ids, table):
+            part = values[layers, :, source]
+            ok = ok and torch.equal(self._words[layers, :, rows], part)
+            compared += part.numel() * 2
+        return ok, compared
 
-    def append(self, token: int, position: int, blocks: Sequence[int]) -> None:
+    def append(self, token: int, position: int, table: BlockTable) -> None:
         """Write the KV slice of ``token`` at ``position`` (decoded here)."""
         tokens = self.words.shape[4]
-        row = self.rows(blocks)[position // tokens]
         values = kv_values(self.shape, [token], [position], self.layers, self.heads)
-        self._words[:, :, row, :, position % tokens, :] = values[:, :, :, 0, :]
+        for layers, rows, first in self._groups(table):
+            row = rows[position // tokens - first]
+            self._words[layers, :, row, :, position % tokens, :] = values[layers, :, :, 0, :]
 
-    def digest(self, digest: ContextDigest, blocks: Sequence[int], start: int, end: int) -> None:
-        """Hash positions ``[start, end)`` of the request held in ``blocks`` into ``digest``."""
-        digest.update(self.words, self.rows(blocks), start, end)
+    def digest(self, digest: ContextDigest, table: BlockTable, start: int, end: int) -> None:
+        """Hash positions ``[start, end)`` of the request held in ``table`` into ``digest``."""
+        for chosen, (_, rows, first) in zip(self._group_layers, self._groups(table), strict=True):
+            digest.update(self.words, rows, start, end, chosen, first)
 
     def new_digest(self) -> ContextDigest:
         return ContextDigest(len(self.layers), len(self.heads))

@@ -100,7 +100,18 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
     words: Words = pool.numpy()
     blocks = list(range(nb))
     digest = ContextDigest(len(layers), len(heads))
-    digest.update(words, blocks, 0, len(ids))
+    geometry = shape.geometry()
+    # each KV-cache group hashes the blocks it holds (a sliding window's: from its first, 10.4.7)
+    groups = [
+        ([layer for layer in layers if geometry.group_of(layer) == g], first)
+        for g, first in enumerate(geometry.firsts(shape.blocks_for(len(ids))))
+    ]
+
+    def update(start: int, end: int) -> None:
+        for chosen, first in groups:
+            digest.update(words, blocks[first:], start, end, chosen, first)
+
+    update(0, len(ids))
     out: list[int] = []
     length = len(ids)
     while len(out) < max_tokens:
@@ -114,6 +125,6 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
         pool[:, :, length // shape.block_size, :, length % shape.block_size, :] = values[
             :, :, :, 0, :
         ]
-        digest.update(words, blocks, length, length + 1)
+        update(length, length + 1)
         length += 1
     return out

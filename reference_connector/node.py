@@ -36,6 +36,7 @@ from .bootstrap import BootstrapServer
 from .dp_placement import DataParallel
 from .kv_content import (
     EOS,
+    BlockTable,
     KVShape,
     assemble,
     next_token,
@@ -121,7 +122,7 @@ class Generation:
 class _Send:
     """A P request whose blocks wait for every worker's agent to free them."""
 
-    blocks: list[int]
+    blocks: BlockTable
     pending: set[int]
     rejected: tuple[str, str] | None = None
 
@@ -330,7 +331,7 @@ class NodeEngine:
                 return
             del self._sends[req]
         logger.debug("P request %s freed (%s)", req, args[1])
-        self.allocator.free(send.blocks)
+        self.allocator.free(send.blocks.all())
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -357,7 +358,10 @@ class NodeEngine:
             )
         return table
 
-    async def _allocate(self, n: int, job: Job) -> list[int]:
+    async def _allocate(self, job: Job, tokens: int) -> BlockTable:
+        """The blocks of ``job`` for ``tokens`` tokens, per KV-cache group."""
+        sizes, firsts = self.config.shape.table_sizes(len(job.ids), tokens)
+        n = sum(sizes)
         deadline = time.monotonic() + self.config.alloc_timeout
         while True:
             try:
@@ -365,7 +369,7 @@ class NodeEngine:
             except OutOfBlocks as exc:
                 raise NodeError(400, f"the request is too long for this node: {exc}") from None
             if blocks is not None:
-                return blocks
+                return BlockTable.split(blocks, sizes, firsts)
             if job.aborted.is_set():
                 raise NodeError(499, "the client went away while the request waited for blocks")
             if time.monotonic() >= deadline:
@@ -376,11 +380,11 @@ class NodeEngine:
                 )
             await asyncio.sleep(_ALLOC_POLL_S)
 
-    def _release(self, req: str, blocks: list[int], done: list[bool]) -> None:
+    def _release(self, req: str, blocks: BlockTable, done: list[bool]) -> None:
         if done[0]:
             return
         done[0] = True
-        self.allocator.free(blocks)
+        self.allocator.free(blocks.all())
         for worker in self.workers:
             worker.call("free", req)
 
@@ -413,9 +417,7 @@ class NodeEngine:
 
     async def _local(self, job: Job) -> Generation:
         t0 = time.perf_counter()
-        blocks = await self._allocate(
-            self.config.shape.blocks_for(len(job.ids) + job.max_tokens), job
-        )
+        blocks = await self._allocate(job, len(job.ids) + job.max_tokens)
         timings = {"queue": _ms(t0)}
         done = [False]
         try:
@@ -430,7 +432,7 @@ class NodeEngine:
     def _decoding(
         self,
         job: Job,
-        blocks: list[int],
+        blocks: BlockTable,
         table: Any,
         timings: dict[str, float],
         done: list[bool],
@@ -444,7 +446,7 @@ class NodeEngine:
         return gen
 
     async def _tokens(
-        self, job: Job, blocks: list[int], table: Any, gen: Generation, timings: dict[str, float]
+        self, job: Job, blocks: BlockTable, table: Any, gen: Generation, timings: dict[str, float]
     ) -> AsyncIterator[int]:
         t0 = time.perf_counter()
         length, vocab = len(job.ids), self.config.shape.vocab
@@ -469,7 +471,7 @@ class NodeEngine:
 
     async def _prefill_remote(self, job: Job, transfer_id: str) -> Generation:
         t0 = time.perf_counter()
-        blocks = await self._allocate(self.config.shape.blocks_for(len(job.ids)), job)
+        blocks = await self._allocate(job, len(job.ids))
         timings = {"queue": _ms(t0)}
         send = _Send(blocks, set(range(len(self.workers))))
         with self._lock:
@@ -498,7 +500,7 @@ class NodeEngine:
             if rejected is not None:
                 self._sends.pop(job.req, None)
         if rejected is not None:
-            self.allocator.free(blocks)
+            self.allocator.free(blocks.all())
             raise NodeError(400, f"{rejected[0]}: {rejected[1]}")
         # A stop token as the only token: P will not send (§10.11.1).
         stop = token == EOS or token in job.stop_ids
@@ -516,12 +518,12 @@ class NodeEngine:
         t0 = time.perf_counter()
         shape = self.config.shape
         try:
-            blocks = await self._allocate(shape.blocks_for(len(job.ids) + job.max_tokens), job)
+            blocks = await self._allocate(job, len(job.ids) + job.max_tokens)
         except NodeError:
             await self._release_only(job, p)
             raise
         timings = {"queue": _ms(t0)}
-        prompt_blocks = blocks[: shape.blocks_for(len(job.ids))]
+        prompt_blocks = blocks.upto(shape.blocks_for(len(job.ids)))
         loop = asyncio.get_running_loop()
         n = len(self.workers)
         load = _Load(
@@ -572,8 +574,9 @@ class NodeEngine:
         """D will not load this request (§10.10.8): pull it with no blocks, so that P frees its
         own without waiting for its expiry. The workers' sessions never report it."""
         args = (str(p["transfer_id"]), str(p["remote_engine_id"]), str(p["remote_bootstrap_addr"]))
+        empty = BlockTable.empty(self.config.shape.geometry().num_groups)
         results = await asyncio.gather(
-            *(w.acall("load", job.req, *args, [], 0, timeout=5.0) for w in self.workers),
+            *(w.acall("load", job.req, *args, empty, 0, timeout=5.0) for w in self.workers),
             return_exceptions=True,
         )
         for r in results:
@@ -584,7 +587,7 @@ class NodeEngine:
         self,
         job: Job,
         p: dict[str, Any],
-        blocks: list[int],
+        blocks: BlockTable,
         load: _Load,
         timings: dict[str, float],
     ) -> tuple[str | None, bool, int, Any]:
@@ -632,7 +635,7 @@ class NodeEngine:
             for f in load.outcome
         ]
 
-    async def _settled(self, req: str, load: _Load, blocks: list[int]) -> bool:
+    async def _settled(self, req: str, load: _Load, blocks: BlockTable) -> bool:
         """Wait until no write can land in the blocks of a failed load. When that takes too
         long, park the blocks (False): they are freed once every worker has released them."""
         waits = [
@@ -652,10 +655,10 @@ class NodeEngine:
         together.add_done_callback(lambda _: self._unpark(req, blocks))
         return False
 
-    def _unpark(self, req: str, blocks: list[int]) -> None:
+    def _unpark(self, req: str, blocks: BlockTable) -> None:
         with self._lock:
             self._loads.pop(req, None)
-        self.allocator.free(blocks)
+        self.allocator.free(blocks.all())
         logger.info("request %s: parked blocks released", req)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pdwire.events import LoadRequest
 
-from .kv_content import ContextDigest
+from .kv_content import BlockTable, ContextDigest
 from .kv_pool import KVPool
 from .node_worker import POLL_S, WorkerSpec
 from .worker_agents import Agent, WorkerContext, load_factory
@@ -82,23 +82,23 @@ class _Worker:
         return self.agent
 
     def op_prefill(
-        self, req: str, ids: list[int], blocks: list[int], transfer_id: str | None, keep: bool
+        self, req: str, ids: list[int], table: BlockTable, transfer_id: str | None, keep: bool
     ) -> bytes:
-        """Compute the prompt's KV slice into ``blocks`` (announcing the transfer first when
-        ``transfer_id``); return the slice's row digests, kept for decoding when ``keep``."""
+        """Compute the prompt's KV slice into the table's blocks (announcing the transfer first
+        when ``transfer_id``); return the slice's row digests, kept for decoding when ``keep``."""
         pool = self._pool()
         if transfer_id is not None:
             self._agent().transfer_started(transfer_id, req)
-        pool.write_prompt(ids, blocks)
+        pool.write_prompt(ids, table)
         digest = pool.new_digest()
-        pool.digest(digest, blocks, 0, len(ids))
+        pool.digest(digest, table, 0, len(ids))
         if keep:
             self._digests[req] = digest
         return digest.digests()
 
-    def op_finish(self, req: str, transfer_id: str, blocks: list[int], send: bool) -> None:
+    def op_finish(self, req: str, transfer_id: str, table: BlockTable, send: bool) -> None:
         if send:
-            self._agent().transfer_finished(transfer_id, req, [blocks])
+            self._agent().transfer_finished(transfer_id, req, table.lists())
         else:
             self._agent().transfer_will_not_send(transfer_id, req, "stop token")
 
@@ -108,32 +108,33 @@ class _Worker:
         transfer_id: str,
         engine_id: str,
         bootstrap_addr: str,
-        blocks: list[int],
+        table: BlockTable,
         deadline_ms: int = 0,
     ) -> None:
-        self._pool().zero(blocks)  # stale bytes must not pass verification
-        load = LoadRequest(req, transfer_id, engine_id, bootstrap_addr, [blocks], deadline_ms)
+        self._pool().zero(table)  # stale bytes must not pass verification
+        lists = table.lists()
+        load = LoadRequest(req, transfer_id, engine_id, bootstrap_addr, lists, deadline_ms)
         self._agent().load([load])
 
     def op_abort(self, req: str) -> None:
         if self.agent is not None:
             self.agent.abort(req)
 
-    def op_verify(self, req: str, ids: list[int], blocks: list[int]) -> tuple[bool, int, bytes]:
+    def op_verify(self, req: str, ids: list[int], table: BlockTable) -> tuple[bool, int, bytes]:
         """Compare the loaded blocks with the prompt's KV slice; digest what they hold."""
         pool = self._pool()
-        ok, nbytes = pool.verify(ids, blocks)
+        ok, nbytes = pool.verify(ids, table)
         digest = pool.new_digest()
-        pool.digest(digest, blocks, 0, len(ids))
+        pool.digest(digest, table, 0, len(ids))
         self._digests[req] = digest
         return ok, nbytes, digest.digests()
 
-    def op_append(self, req: str, token: int, position: int, blocks: list[int]) -> bytes:
+    def op_append(self, req: str, token: int, position: int, table: BlockTable) -> bytes:
         """Add a decoded token's KV at ``position``; return the updated row digests."""
         pool = self._pool()
-        pool.append(token, position, blocks)
+        pool.append(token, position, table)
         digest = self._digests[req]
-        pool.digest(digest, blocks, position, position + 1)
+        pool.digest(digest, table, position, position + 1)
         return digest.digests()
 
     def op_free(self, req: str) -> None:

@@ -22,7 +22,7 @@ import zmq.asyncio
 from pdwire.codec import decode_response
 from pdwire.errors import DecodeError
 from pdwire.messages import XferMetadataV2, XferResponseStatus, XferResponseV2
-from pdwire.planning import Region
+from pdwire.planning import Region, clip_window
 from pdwire.sim.geometry import Geometry
 from pdwire.vectors import as_json
 
@@ -168,13 +168,23 @@ class DWorker:
         rows = self.rows(region, block)
         return rows[0].copy() if len(rows) == 1 else np.concatenate(rows)
 
+    def group_lists(self, blocks: Sequence[int]) -> list[list[int]]:
+        """The block lists of a pull for a request held in ``blocks``, one per KV-cache group:
+        every group uses the same ids, a sliding-window group only the last ones it keeps
+        (10.4.7). Each group's regions are layers of their own, so the ids do not collide."""
+        window = self.geometry.sliding_window
+        if window is None:
+            return [list(blocks)]
+        return [list(blocks), list(clip_window(blocks, window, self.geometry.block_size))]
+
     def unwritten(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
-        """(region, block) pairs among ``blocks`` with a row whose payload is still all
-        sentinel."""
+        """(region, block) pairs among the blocks of each region's group (``group_lists``) with
+        a row whose payload is still all sentinel."""
+        lists = self.group_lists(blocks)
         return [
             (i, b)
-            for i in range(len(self.regions))
-            for b in blocks
+            for i, r in enumerate(self.regions)
+            for b in lists[r.group_index]
             if any(bool(np.all(row == SENTINEL)) for row in self.rows(i, b))
         ]
 

@@ -62,6 +62,7 @@ class ConsumerOptions:
     #: the command line that starts a D of the harness's own, for the cases that restart D
     #: (placeholders ``D_PLACEHOLDERS``)
     d_command: str | None = None
+    sliding_window: int | None = None  # the window of D's KV-cache group 1, when it has one
 
 
 class ConsumerEnv:

@@ -7,6 +7,7 @@ from typing import Final
 import msgspec
 
 from pdwire.codec import REGION_LISTS
+from pdwire.planning import window_blocks
 from pdwire.versions import ALL_CAPS, Capability
 
 from ..case import Unsupported, expect, expect_equal
@@ -91,7 +92,10 @@ async def pull_names_the_prompt_blocks(t: ConsumerCtx) -> None:
         t.log.note("D's block size is unknown (no fingerprint, no --block-size): count not checked")
     else:
         want = -(-len(leg.prompt) // block_size)
+        window = t.options.sliding_window
         for g, ids in enumerate(groups):
+            if g == 1 and window is not None:  # the window group keeps its last blocks (10.4.7)
+                want = min(want, window_blocks(window, block_size))
             expect(
                 len(ids) == want,
                 f"group {g} lists {len(ids)} blocks for a prompt of {len(leg.prompt)} tokens in "

@@ -49,6 +49,7 @@ class ProducerOptions:
     auth_key: bytes | None = None  # the key P shares (§8.6): pdwire/2 pulls and cancels signed
     max_message_bytes: int | None = None  # P's size limit on side-channel messages, when known
     kernel_block_size: int | None = None  # P's attention kernel's, when below its block size
+    sliding_window: int | None = None  # the window of P's second KV-cache group (10.4.7)
 
 
 class ProducerEnv:
@@ -97,12 +98,16 @@ class ProducerEnv:
             f = self.fingerprint
             geometry = Geometry(f.num_layers, f.num_kv_heads, f.head_size, f.block_size)
         kernel = self.options.kernel_block_size or geometry.kernel_block_size
+        window = self.options.sliding_window or geometry.sliding_window
         try:
             self.geometry = dataclasses.replace(
-                geometry, num_blocks=DEFAULT_BLOCKS, kernel_block_size=kernel
+                geometry,
+                num_blocks=DEFAULT_BLOCKS,
+                kernel_block_size=kernel,
+                sliding_window=window,
             )
         except ValueError as exc:
-            raise RuntimeError(f"{exc}: check --kernel-block-size") from None
+            raise RuntimeError(f"{exc}: check --kernel-block-size and --sliding-window") from None
         if not self.model:
             models = await request(self.http, "GET", f"{self.options.api}/v1/models", log)
             try:
@@ -403,7 +408,7 @@ class ProducerCtx:
     ) -> list[tuple[DWorker, str, PullResult]]:
         """``worker``'s pulls of one request, one to each P worker it pairs with, at once."""
         addrs = self.targets(worker)
-        req = {d_req: (transfer, [blocks])}
+        req = {d_req: (transfer, worker.group_lists(blocks))}
         results = await asyncio.gather(
             *(self.pull(worker, a, req, announce=announce, **fields) for a in addrs)
         )

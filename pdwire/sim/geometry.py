@@ -6,7 +6,7 @@ import dataclasses
 from typing import Final
 
 from ..messages import Fingerprint
-from ..planning import Region, Side
+from ..planning import Region, Side, window_blocks
 
 #: Where the simulated address spaces start; each worker region gets its own span.
 _BASE: Final = 0x7F00_0000_0000
@@ -21,6 +21,9 @@ class Geometry:
     dtype_bytes: int = 2
     num_blocks: int = 4096
     kernel_block_size: int | None = None  # the attention kernel's; None: block_size (10.6.6)
+    #: tokens of the sliding window of the odd layers, which then form KV-cache group 1 (a
+    #: hybrid model, as vLLM's hybrid KV-cache manager groups it); None: one group
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size
@@ -28,6 +31,27 @@ class Geometry:
             raise ValueError(
                 f"kernel_block_size must divide block_size {self.block_size}, got {kernel}"
             )
+        window = self.sliding_window
+        if window is not None and (window < 1 or self.num_layers < 2):
+            raise ValueError(
+                f"sliding_window needs at least 1 token and 2 layers, got {window} over "
+                f"{self.num_layers} layers"
+            )
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups: 2 with a sliding window (its odd layers), else 1."""
+        return 1 if self.sliding_window is None else 2
+
+    def group_of(self, layer: int) -> int:
+        return 0 if self.sliding_window is None else layer % 2
+
+    def firsts(self, prompt_blocks: int) -> list[int]:
+        """Per group, the first of a prompt's blocks it keeps: all of them, or in the sliding
+        window group the last ``ceil(window / block_size) + 1`` (10.4.7)."""
+        if self.sliding_window is None:
+            return [0]
+        return [0, max(0, prompt_blocks - window_blocks(self.sliding_window, self.block_size))]
 
     @property
     def kernel_blocks(self) -> int:
@@ -68,7 +92,8 @@ class Geometry:
                 base_addr=base + (2 * layer + kv) * span,
                 block_len=length,
                 kv_block_len=length,
-                row_offset=0,
+                group_index=self.group_of(layer),
+                row_offset=-1,
             )
             for layer in self.stage_layers(pp_size, pp_rank)
             for kv in range(2)

@@ -30,6 +30,7 @@ from pdwire.versions import CURRENT_VERSION, PDWIRE_2, Capability
 from .. import bootstrap_client
 from ..consumer_agent import ConsumerAgent, _OpenPull
 from . import mutant, replace
+from .producer_planning import keep_every_block
 
 logger = logging.getLogger(__name__)
 DECODE_KEYS = ("remote_engine_id", "remote_bootstrap_addr", "transfer_id")
@@ -467,7 +468,7 @@ def _discards_loaded_kv() -> None:
 
     original = NodeEngine._load
 
-    async def load(self: NodeEngine, job: Any, p: Any, blocks: list[int], *args: Any) -> Any:
+    async def load(self: NodeEngine, job: Any, p: Any, blocks: Any, *args: Any) -> Any:
         failure, verified, nbytes, table = await original(self, job, p, blocks, *args)
         if failure is None:
             parts = await self._all("prefill", job.req, job.ids, blocks, None, True)
@@ -724,3 +725,10 @@ def _layout_id_of_engine() -> None:
             _set_layout_id(self.consumer, int.from_bytes(key[:7], "little") | 1)
 
     replace(ReferenceAgent, "__init__", __init__)
+
+
+mutant(
+    "d-window-unclipped",
+    "decode",
+    "lists every block of a prompt in its sliding-window KV-cache group (10.4.7)",
+)(keep_every_block)

@@ -55,7 +55,7 @@ def _d_recompute_after_load() -> None:
 
     original = node.NodeEngine._load
 
-    async def load(self: node.NodeEngine, job: node.Job, p: Any, blocks: list[int], *a: Any) -> Any:
+    async def load(self: node.NodeEngine, job: node.Job, p: Any, blocks: Any, *a: Any) -> Any:
         failure, verified, nbytes, table = await original(self, job, p, blocks, *a)
         if failure is None:
             table = self._table(await self._all("prefill", job.req, job.ids, blocks, None, True))

@@ -110,11 +110,20 @@ def _accepts_any_rank() -> None:
     def check(self: ProducerSession, msg: Any, agreement: Any) -> Any:
         problem = original(self, msg, agreement)
         if problem is not None and problem[0] is ErrorCode.TP_RANK_NOT_PAIRED:
-            return self._check_pp_size(msg)
+            return self._check_stages(msg)
         return problem
 
     replace(ProducerSession, "_check_pull", check)
     replace(planning, "_pairing_error", lambda producer, consumer: None)
+
+
+@mutant(
+    "packed-rows-across-pp",
+    "prefill",
+    "aligns a pull across PP sizes even when a region is an opaque packed row (10.2.8)",
+)
+def _packed_rows_across_pp() -> None:
+    replace(ProducerSession, "_check_packed_rows", lambda self, msg: None)
 
 
 @mutant("v2-to-legacy", "prefill", "answers a legacy D with pdwire/2 fields (version, caps, codes)")

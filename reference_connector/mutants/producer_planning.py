@@ -132,3 +132,15 @@ def _blocks_as_kernel_blocks() -> None:
         return original(dataclasses.replace(plan, kernel_blocks=1), src, dst)
 
     replace(producer_module, "descriptors", descriptors)
+
+
+@mutant(
+    "window-unclipped",
+    "prefill",
+    "keeps, and sends, every block of a prompt in its sliding-window KV-cache group (10.4.7)",
+)
+def keep_every_block() -> None:
+    """The node keeps every block of a prompt in each KV-cache group."""
+    from pdwire.sim.geometry import Geometry
+
+    replace(Geometry, "firsts", lambda self, prompt_blocks: [0] * self.num_groups)

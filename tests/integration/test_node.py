@@ -32,15 +32,18 @@ from reference_connector.node_worker import WorkerError
 SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=4, num_blocks=192, vocab=256)
 MAX_TOKENS = 6
 WAIT = 30.0  # seconds any HTTP request may take
-#: name -> (role, TP, PP, load-failure policy, kernel block size: rows of 2 tokens, 10.6.6)
-NODES: dict[str, tuple[str, int, int, Policy, int | None]] = {
-    "p1": ("prefill", 1, 1, "fail", None),
-    "p_tp2": ("prefill", 2, 1, "fail", None),
-    "p_pp2": ("prefill", 1, 2, "fail", None),
-    "p_tp2_k2": ("prefill", 2, 1, "fail", 2),
-    "d1": ("decode", 1, 1, "fail", None),
-    "d_tp2": ("decode", 2, 1, "recompute", None),
-    "d_k2": ("decode", 1, 1, "fail", 2),
+#: name -> (role, TP, PP, load-failure policy, kernel block size: rows of 2 tokens (10.6.6),
+#: sliding window of the odd layers: 4 tokens, 2 of a prompt's blocks (10.4.7))
+NODES: dict[str, tuple[str, int, int, Policy, int | None, int | None]] = {
+    "p1": ("prefill", 1, 1, "fail", None, None),
+    "p_tp2": ("prefill", 2, 1, "fail", None, None),
+    "p_pp2": ("prefill", 1, 2, "fail", None, None),
+    "p_tp2_k2": ("prefill", 2, 1, "fail", 2, None),
+    "p_tp2_sw": ("prefill", 2, 1, "fail", None, 4),
+    "d1": ("decode", 1, 1, "fail", None, None),
+    "d_tp2": ("decode", 2, 1, "recompute", None, None),
+    "d_k2": ("decode", 1, 1, "fail", 2, None),
+    "d_sw": ("decode", 1, 1, "fail", None, 4),
 }
 
 
@@ -103,11 +106,17 @@ class Cluster:
             return p_reply, d_future.result()
 
 
-def _start(role: str, tp: int, pp: int, policy: Policy, kernel: int | None) -> NodeServer:
+def _shape(node: str) -> KVShape:
+    kernel, window = NODES[node][4:]
+    return dataclasses.replace(SHAPE, kernel_block_size=kernel, sliding_window=window)
+
+
+def _start(name: str) -> NodeServer:
     """A node; a P serves its own bootstrap server on a free port (one per P instance)."""
+    role, tp, pp, policy, *_ = NODES[name]
     config = NodeConfig(
         role="prefill" if role == "prefill" else "decode",
-        shape=dataclasses.replace(SHAPE, kernel_block_size=kernel),
+        shape=_shape(name),
         tp_size=tp,
         pp_size=pp,
         bootstrap_port=0,
@@ -141,7 +150,7 @@ def started(starts: dict[str, Callable[[], NodeServer]]) -> Iterator[Cluster]:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    yield from started({name: functools.partial(_start, *spec) for name, spec in NODES.items()})
+    yield from started({name: functools.partial(_start, name) for name in NODES})
 
 
 @pytest.fixture(autouse=True)
@@ -167,10 +176,14 @@ def probe(stop: bool) -> str:
     raise AssertionError("no such prompt in the first 5000")
 
 
-def _prompt_bytes(prompt: str) -> int:
-    """The KV bytes of the prompt's blocks, over every layer and head."""
-    n = SHAPE.blocks_for(len(tokenize(prompt, SHAPE.vocab)))
-    return n * SHAPE.num_layers * 2 * SHAPE.num_kv_heads * SHAPE.block_size * SHAPE.head_dim * 2
+def _prompt_bytes(prompt: str, shape: KVShape = SHAPE) -> int:
+    """The KV bytes of the prompt's blocks each KV-cache group keeps, over every layer and
+    head."""
+    n = shape.blocks_for(len(tokenize(prompt, shape.vocab)))
+    geometry = shape.geometry()
+    firsts = geometry.firsts(n)
+    kept = sum(n - firsts[geometry.group_of(layer)] for layer in range(shape.num_layers))
+    return kept * 2 * shape.num_kv_heads * shape.block_size * shape.head_dim * 2
 
 
 # -- the HTTP surface ------------------------------------------------------------------------
@@ -211,7 +224,14 @@ def test_chat_completion(cluster: Cluster) -> None:
 
 @pytest.mark.parametrize(
     ("p", "d"),
-    [("p1", "d1"), ("p_tp2", "d1"), ("p1", "d_tp2"), ("p_pp2", "d1"), ("p_tp2_k2", "d_k2")],
+    [
+        ("p1", "d1"),
+        ("p_tp2", "d1"),
+        ("p1", "d_tp2"),
+        ("p_pp2", "d1"),
+        ("p_tp2_k2", "d_k2"),
+        ("p_tp2_sw", "d_sw"),
+    ],
 )
 def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> None:
     prompt = probe(stop=False)
@@ -223,11 +243,14 @@ def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> No
     assert pr["kv_transfer_params"] is None
     assert pr["usage"]["completion_tokens"] == 1
     assert dr["pdwire"]["verified"] is True and dr["pdwire"]["recomputed"] is False
-    assert dr["pdwire"]["bytes_verified"] == _prompt_bytes(prompt)
+    assert dr["pdwire"]["bytes_verified"] == _prompt_bytes(prompt, _shape(d))
     assert set(dr["pdwire"]["timings_ms"]) >= {"queue", "load", "verify", "decode"}
     assert dr["kv_transfer_params"] == {"remote_prefill_cached_tokens": n}
     text = dr["choices"][0]["text"]
     assert text == cluster.local_text(d, prompt)
+    assert text == render(
+        reference_completion(_shape(d), tokenize(prompt, SHAPE.vocab), MAX_TOKENS)
+    )
     assert pr["choices"][0]["text"] == text.split()[0]
     assert sum(w["bytes_written"] for w in cluster.stats(p)["workers"]) > 0
 

@@ -26,7 +26,8 @@ from pdwire.events import (
     WriteCompleted,
 )
 from pdwire.messages import XferResponseV2
-from pdwire.producer import ProducerSession
+from pdwire.planning import Side, has_opaque_packed_row
+from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.transitions import TransferState
 from pdwire.versions import ALL_CAPS
 
@@ -645,6 +646,45 @@ def test_missing_remote_pp_size(d: DPeer, p_pp: int, fingerprint: object) -> Non
     assert reply.err_msg == "Consumer registered 2 of 4 layers but sent no remote_pp_size."
     expect_code(d, reply, ErrorCode.MISSING_REMOTE_PP_SIZE, per_request=False)
     assert p.session.state_of("x1") is None
+
+
+def _packed(side: Side) -> Side:
+    """``side`` with its first region an opaque packed row (row offset 0, a whole row)."""
+    first = dataclasses.replace(side.regions[0], row_offset=0)
+    return dataclasses.replace(side, regions=(first, *side.regions[1:]))
+
+
+@BOTH
+@pytest.mark.parametrize("packed", ["D", "P"])
+def test_packed_rows_across_pp_sizes(d: DPeer, packed: str) -> None:
+    """10.2.8: with an opaque packed row on either side, a D of another PP size gets ERROR and
+    PP_PACKED_ROWS (message #2) before any wait; a D of P's PP size is served."""
+    p_worker = _packed(p_side()) if packed == "P" else p_side()
+    p = Driver(ProducerSession(ProducerConfig(side=p_worker)))
+    p(TransferFinished("x1", "p1", [[1]]))
+    stage = d_side(pp=2, pp_rank=0)
+    peer = dataclasses.replace(d, side=_packed(stage) if packed == "D" else stage)
+    reply = only_reply(p(MessageReceived(b"i", peer.pull({"r1": ("x1", [[5]])}))), b"i")
+    assert reply.status is ERROR
+    assert reply.err_msg == (
+        "Mooncake non-page-contiguous packed regions keep only the first layer name, so they "
+        "cannot be aligned across PP sizes 1 and 2."
+    )
+    expect_code(d, reply, ErrorCode.PP_PACKED_ROWS, per_request=False)
+    assert p.session.open_pulls == 0 and p.session.state_of("x1") is TransferState.READY
+    same_pp = dataclasses.replace(d, side=_packed(d_side()) if packed == "D" else d_side())
+    assert serve(p, b"j", same_pp.pull({"r1": ("x1", [[5]])}), 1).ok_reqs == ["r1"]
+
+
+def test_row_offsets_of_whole_tensors_are_not_packed() -> None:
+    """3.2-R10: a region that is a tensor of its own sends row offset -1, and only a whole row
+    at offset 0 is an opaque packed row."""
+    assert {r.row_offset for r in p_side().regions} == {-1}
+    region = p_side().regions[0]
+    assert has_opaque_packed_row([dataclasses.replace(region, row_offset=0)])
+    assert not has_opaque_packed_row([region])
+    half = dataclasses.replace(region, row_offset=0, kv_block_len=region.block_len // 2)
+    assert not has_opaque_packed_row([half])
 
 
 def test_auth_rejects_unsigned_and_serves_signed() -> None:
