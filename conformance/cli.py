@@ -85,6 +85,12 @@ def _geometry(p: argparse.ArgumentParser) -> None:
         help="the sliding window, in tokens, of P's odd layers, which then form KV-cache group "
         "1: D lists only the last ceil(W / block size) + 1 of a prompt's blocks there (10.4.7)",
     )
+    g.add_argument(
+        "--mamba",
+        action="store_true",
+        help="P's odd layers are state-space (Mamba) layers, KV-cache group 1: D lists there "
+        "a request's state block after a null block (id 0) for each earlier block (10.6.3)",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -494,6 +500,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         max_message_bytes=args.max_message_bytes,
         kernel_block_size=args.kernel_block_size,
         sliding_window=args.sliding_window,
+        mamba=args.mamba,
     )
 
 

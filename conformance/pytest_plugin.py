@@ -106,6 +106,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--pdwire-producer, P's odd layers; with --pdwire-consumer, D's group 1",
     )
     group.addoption(
+        "--pdwire-mamba",
+        action="store_true",
+        help="with --pdwire-producer: P's odd layers are state-space layers, its KV-cache "
+        "group 1 (10.6.3)",
+    )
+    group.addoption(
         "--pdwire-timeout",
         type=float,
         default=10.0,
@@ -201,6 +207,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 request_timeout=timeout,
                 kernel_block_size=config.getoption("--pdwire-kernel-block-size"),
                 sliding_window=config.getoption("--pdwire-sliding-window"),
+                mamba=config.getoption("--pdwire-mamba"),
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)

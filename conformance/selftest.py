@@ -50,6 +50,7 @@ class Layout:
     prefill_delay: float = 0.0  # how long P's prefill takes (pdwire node --prefill-delay)
     kernel_block_size: int = 0  # the testees' kernel block size (10.6.6); 0: the block size
     sliding_window: int = 0  # the testees' sliding window over their odd layers (10.4.7); 0: none
+    mamba: bool = False  # the testees' odd layers are state-space layers (10.6.3)
 
     @property
     def geometry(self) -> Geometry:
@@ -60,6 +61,7 @@ class Layout:
             testees.BLOCK_SIZE,
             kernel_block_size=self.kernel_block_size or None,
             sliding_window=self.sliding_window or None,
+            mamba=self.mamba,
         )
 
 
@@ -78,6 +80,8 @@ KERNEL_BLOCKS: Final = Layout(prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE
 #: The testees of the cases of a sliding-window KV-cache group: a window of one block, of which
 #: a transfer carries the prompt's last two blocks.
 WINDOW: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE)
+#: The testee of the case of a state-space KV-cache group.
+MAMBA: Final = Layout(prefill_tp=1, mamba=True)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
@@ -87,6 +91,8 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.6/2": KERNEL_BLOCKS,
     "producer/10.4/4": WINDOW,
     "consumer/10.4/1": WINDOW,
+    "consumer/10.10/5": WINDOW,
+    "producer/10.6/3": MAMBA,
 }
 
 
@@ -132,6 +138,8 @@ def start(
         geometry = (*geometry, "--kernel-block-size", str(layout.kernel_block_size))
     if layout.sliding_window:
         geometry = (*geometry, "--sliding-window", str(layout.sliding_window))
+    if layout.mamba:
+        geometry = (*geometry, "--mamba")
     if role == "prefill":
         delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(

@@ -16,19 +16,17 @@ from .requirements import Level, Requirement, catalogue
 #: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
 #: when a case covers it (a test fails on a stale entry).
 _GEOMETRY = (
-    "a KV-cache geometry the testees here do not have (KV-cache groups of Mamba layers or "
-    "sharing a region, as the hybrid KV-cache manager makes them; packed rows): the harness "
-    "can only check it against an engine that runs such a model"
+    "a KV-cache geometry the testees here do not have (KV-cache groups sharing a region, as "
+    "the hybrid KV-cache manager makes them; packed rows): the harness can only check it "
+    "against an engine that runs such a model"
 )
 UNCOVERED: Final[dict[str, str]] = {
     "2.1-R4": "whether a sender's list was empty or nil is the sender's own value: both decode "
     "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
     "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
     "which no request to a testee here produces",
-    "10.6.3": _GEOMETRY,
     "10.6.7": _GEOMETRY,
     "10.7.8": _GEOMETRY,
-    "10.10.7": _GEOMETRY,
     "10.10.9": "what D reports to its own scheduler is inside D "
     "(tests/unit/test_consumer.py checks pdwire's D)",
 }

@@ -21,6 +21,8 @@ from .messages import ErrorCode, XferMetadata
 
 _U64 = npt.NDArray[np.uint64]
 _T = TypeVar("_T")
+#: The block id of vLLM's null block: a placeholder in a state-space group's list (10.6.3).
+NULL_BLOCK_ID: Final = 0
 _POSITIONAL: Final = "#"  # prefix of the names regions_of_pull gives unnamed regions
 
 
@@ -49,6 +51,7 @@ class Side:
     replicated: bool = False  # KV identical on every TP rank (MLA, or TP > KV heads)
     total_kv_heads: int | None = None
     kernel_blocks: int = 1  # kernel blocks per block (10.6.6); the regions' rows are these
+    mamba_groups: frozenset[int] = frozenset()  # its KV-cache groups of state-space layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,7 @@ class Plan:
 
     regions: tuple[RegionPlan, ...]
     kernel_blocks: int = 1  # P's kernel blocks per block, which D's block ids share (10.6.6)
+    mamba_groups: frozenset[int] = frozenset()  # P's groups of state-space layers (10.6.3)
 
     @functools.cached_property
     def _compiled(self) -> _Compiled:
@@ -430,7 +434,7 @@ def prepare(producer: Side, consumer: Side) -> Plan | PlanError:
         if placed.src.group_index < 0 and not _shared_groups(placed):
             return _alignment_error(es.SHARED_GROUP_METADATA)
         regions.append(placed)
-    return Plan(tuple(regions), producer.kernel_blocks)
+    return Plan(tuple(regions), producer.kernel_blocks, producer.mamba_groups)
 
 
 # -- descriptors (§10.6, §10.8.12-14) ---------------------------------------------------------
@@ -516,6 +520,16 @@ _Ids = tuple[_U64, _U64]  # P's and D's block ids, aligned
 
 def _release_only(dst_blocks: Sequence[Sequence[int]]) -> bool:
     return all(len(group) == 0 for group in dst_blocks)
+
+
+def _without_null_blocks(
+    blocks: Sequence[Sequence[int]], groups: frozenset[int]
+) -> list[Sequence[int]]:
+    """10.6.3: ``blocks`` with the null-block placeholders of ``groups`` left out."""
+    return [
+        [b for b in ids if b != NULL_BLOCK_ID] if g in groups else ids
+        for g, ids in enumerate(blocks)
+    ]
 
 
 def _select(
@@ -612,13 +626,17 @@ def descriptors(
     """The descriptors that copy one request: block selection per group (§10.6), then one
     descriptor per run of consecutive blocks or per block (§10.8.12-14).
 
-    ``src_blocks``: P's block ids per KV-cache group; ``dst_blocks``: D's, from the pull (after
-    any 10.6.3 null-block filtering). With ``plan.kernel_blocks`` q above 1, each selected id
+    ``src_blocks``: P's block ids per KV-cache group; ``dst_blocks``: D's, from the pull. In
+    ``plan.mamba_groups`` both sides' null blocks are left out first (10.6.3). With
+    ``plan.kernel_blocks`` q above 1, each selected id
     ``b`` of both sides stands for the region rows ``b*q ... b*q+q-1`` (10.6.6). A release-only
     request (no D blocks) gives no descriptors. Descriptors go region by region in plan order,
     blocks in order; regions that do not write (10.8.7) give none."""
     if _release_only(dst_blocks):
         return Descriptors.empty()
+    if plan.mamba_groups:
+        src_blocks = _without_null_blocks(src_blocks, plan.mamba_groups)
+        dst_blocks = _without_null_blocks(dst_blocks, plan.mamba_groups)
     selected = _select(src_blocks, dst_blocks)
     if isinstance(selected, PlanError):
         return selected

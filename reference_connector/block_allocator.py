@@ -16,9 +16,11 @@ class OutOfBlocks(RuntimeError):
 class BlockAllocator:
     """Thread-safe allocator of a node's block ids, lowest ids first (fewer descriptors)."""
 
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks))
+    def __init__(self, num_blocks: int, reserved: int = 0) -> None:
+        """Ids ``reserved ... num_blocks - 1``; the first ``reserved`` are never handed out
+        (vLLM's null block, id 0, in a model with state-space layers)."""
+        self.num_blocks = num_blocks - reserved
+        self._free = list(range(reserved, num_blocks))
         self._used: set[int] = set()
         self._lock = threading.Lock()
 

@@ -89,6 +89,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "group with block ids of their own; a transfer carries only the last "
         "ceil(window / block size) + 1 of the prompt's blocks of that group (spec 10.4.7)",
     )
+    geometry.add_argument(
+        "--mamba",
+        action="store_true",
+        help="the odd layers are state-space (Mamba) layers, a second KV-cache group: a "
+        "request keeps its state in one block there, and its list in a transfer puts null "
+        "blocks (id 0, never allocated) before it (spec 10.6.3)",
+    )
     geometry.add_argument("--num-blocks", type=int, default=512, help="blocks per worker pool")
     geometry.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     geometry.add_argument("--vocab", type=int, default=32000)
@@ -220,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             kernel_block_size=args.kernel_block_size,
             sliding_window=args.sliding_window,
+            mamba=args.mamba,
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)

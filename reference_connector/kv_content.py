@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
+from pdwire.planning import NULL_BLOCK_ID
 from pdwire.sim.geometry import Geometry
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ class KVShape:
     num_blocks: int = 512
     kernel_block_size: int | None = None  # the pool's rows, when smaller than a block (10.6.6)
     sliding_window: int | None = None  # the odd layers' window: KV-cache group 1 (10.4.7)
+    mamba: bool = False  # the odd layers are state-space layers: KV-cache group 1 (10.6.3)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -79,6 +81,7 @@ class KVShape:
             num_blocks=self.num_blocks,
             kernel_block_size=self.kernel_block_size,
             sliding_window=self.sliding_window,
+            mamba=self.mamba,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:
@@ -136,9 +139,14 @@ class BlockTable:
     def all(self) -> list[int]:
         return [b for group in self.ids for b in group]
 
-    def lists(self) -> list[list[int]]:
-        """The per-group lists a transfer carries."""
-        return [list(group) for group in self.ids]
+    def lists(self, placeholders: frozenset[int] = frozenset()) -> list[list[int]]:
+        """The per-group lists a transfer carries; in the ``placeholders`` groups (state-space
+        ones) each block before the group's first is a null block (10.6.3)."""
+        out = []
+        for g, (group, first) in enumerate(zip(self.ids, self.firsts, strict=True)):
+            nulls = first if g in placeholders else 0
+            out.append([NULL_BLOCK_ID] * nulls + list(group))
+        return out
 
     def upto(self, blocks: int) -> BlockTable:
         """The ids of the request's first ``blocks`` blocks (its prompt's, say)."""

@@ -45,6 +45,7 @@ class KVPool:
         self.words: Words = self._words.numpy()
         geometry = shape.geometry()
         self.num_groups = geometry.num_groups
+        self.mamba_groups = geometry.mamba_groups  # whose lists hold null blocks (10.6.3)
         #: per KV-cache group, its layers: positions on the pool's layer axis, and as an index
         self._group_layers = [
             [i for i, layer in enumerate(self.layers) if geometry.group_of(layer) == g]

@@ -153,7 +153,8 @@ class NodeEngine:
         config.shape.check_split(config.tp_size, config.pp_size)
         self.config = config
         self.engine_id = config.engine_id or uuid.uuid4().hex
-        self.allocator = BlockAllocator(config.shape.num_blocks)
+        reserved = 1 if config.shape.mamba else 0  # the null block (10.6.3)
+        self.allocator = BlockAllocator(config.shape.num_blocks, reserved)
         self.bootstrap_url = config.bootstrap_url or ""
         self.workers: list[WorkerHandle] = []
         self._bootstrap: BootstrapServer | None = None

@@ -77,6 +77,9 @@ class _Worker:
         assert self.pool is not None
         return self.pool
 
+    def _lists(self, table: BlockTable) -> list[list[int]]:
+        return table.lists(self._pool().mamba_groups)
+
     def _agent(self) -> Agent:
         assert self.agent is not None
         return self.agent
@@ -98,7 +101,7 @@ class _Worker:
 
     def op_finish(self, req: str, transfer_id: str, table: BlockTable, send: bool) -> None:
         if send:
-            self._agent().transfer_finished(transfer_id, req, table.lists())
+            self._agent().transfer_finished(transfer_id, req, self._lists(table))
         else:
             self._agent().transfer_will_not_send(transfer_id, req, "stop token")
 
@@ -112,7 +115,7 @@ class _Worker:
         deadline_ms: int = 0,
     ) -> None:
         self._pool().zero(table)  # stale bytes must not pass verification
-        lists = table.lists()
+        lists = self._lists(table)
         load = LoadRequest(req, transfer_id, engine_id, bootstrap_addr, lists, deadline_ms)
         self._agent().load([load])
 

@@ -22,7 +22,7 @@ import zmq.asyncio
 from pdwire.codec import decode_response
 from pdwire.errors import DecodeError
 from pdwire.messages import XferMetadataV2, XferResponseStatus, XferResponseV2
-from pdwire.planning import Region, clip_window
+from pdwire.planning import NULL_BLOCK_ID, Region, clip_window
 from pdwire.sim.geometry import Geometry
 from pdwire.vectors import as_json
 
@@ -124,7 +124,8 @@ class DWorker:
             ),
         )
         self._addr = addr
-        self._free = list(range(geometry.num_blocks))
+        # block 0 is the null block of a model with state-space layers (10.6.3): never held
+        self._free = list(range(1 if geometry.mamba else 0, geometry.num_blocks))
         self._held: set[int] = set()
 
     @property
@@ -171,21 +172,26 @@ class DWorker:
     def group_lists(self, blocks: Sequence[int]) -> list[list[int]]:
         """The block lists of a pull for a request held in ``blocks``, one per KV-cache group:
         every group uses the same ids, a sliding-window group only the last ones it keeps
-        (10.4.7). Each group's regions are layers of their own, so the ids do not collide."""
-        window = self.geometry.sliding_window
-        if window is None:
-            return [list(blocks)]
-        return [list(blocks), list(clip_window(blocks, window, self.geometry.block_size))]
+        (10.4.7), a state-space group only the last, after a null block for each other
+        (10.6.3). Each group's regions are layers of their own, so the ids do not collide."""
+        g = self.geometry
+        if g.sliding_window is not None:
+            return [list(blocks), list(clip_window(blocks, g.sliding_window, g.block_size))]
+        if g.mamba:
+            return [list(blocks), [NULL_BLOCK_ID] * (len(blocks) - 1) + list(blocks[-1:])]
+        return [list(blocks)]
 
     def unwritten(self, blocks: Sequence[int]) -> list[tuple[int, int]]:
-        """(region, block) pairs among the blocks of each region's group (``group_lists``) with
-        a row whose payload is still all sentinel."""
+        """(region, block) pairs among the blocks of each region's group (``group_lists``,
+        null blocks left out) with a row whose payload is still all sentinel."""
         lists = self.group_lists(blocks)
+        nulls = self.geometry.mamba_groups
         return [
             (i, b)
             for i, r in enumerate(self.regions)
             for b in lists[r.group_index]
-            if any(bool(np.all(row == SENTINEL)) for row in self.rows(i, b))
+            if not (r.group_index in nulls and b == NULL_BLOCK_ID)
+            and any(bool(np.all(row == SENTINEL)) for row in self.rows(i, b))
         ]
 
     def stray_bytes(self) -> int:

@@ -1,5 +1,6 @@
-"""Consumer case: a KV-cache group with a sliding window (§10.4.7). D lists in that group only
-the last ``ceil(window / block_size) + 1`` of a prompt's blocks."""
+"""Consumer cases: a D of two KV-cache groups. With a sliding window over group 1, D lists there
+only the last ``ceil(window / block_size) + 1`` of a prompt's blocks (§10.4.7); a failure fails
+the request, not some of its blocks (§10.10.7)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,22 @@ async def window_group_lists_its_last_blocks(t: ConsumerCtx) -> None:
         f"window of {window} tokens in blocks of {block_size}, D lists the last {kept}",
     )
     t.expect_decoded(got)
+
+
+@consumer_case("consumer/10.10/5", "10.10.7", caught_by=("ignores-err-reqs",))
+async def a_failure_fails_every_group(t: ConsumerCtx) -> None:
+    """With more than one KV-cache group, a request P lists in err_reqs after it wrote every
+    block of every group fails whole, an HTTP error under the default load-failure policy: no
+    group's blocks are taken for loaded."""
+    fake = await t.fake_p()
+    leg = t.start(fake)
+    rx = await t.pull(fake)
+    assert rx.pull is not None
+    d_req = rx.d_req(leg.transfer_id)
+    _, groups = rx.pull.req_blocks[d_req]
+    fake.write(rx)
+    await fake.reply(rx, err=[d_req], err_msg="the fake P failed this request")
+    got = await leg.result()
+    if len(groups) < 2:
+        raise Unsupported("D has one KV-cache group")
+    t.expect_failed(got)

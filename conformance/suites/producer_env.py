@@ -50,6 +50,7 @@ class ProducerOptions:
     max_message_bytes: int | None = None  # P's size limit on side-channel messages, when known
     kernel_block_size: int | None = None  # P's attention kernel's, when below its block size
     sliding_window: int | None = None  # the window of P's second KV-cache group (10.4.7)
+    mamba: bool = False  # P's odd layers are state-space layers, its KV-cache group 1 (10.6.3)
 
 
 class ProducerEnv:
@@ -105,9 +106,12 @@ class ProducerEnv:
                 num_blocks=DEFAULT_BLOCKS,
                 kernel_block_size=kernel,
                 sliding_window=window,
+                mamba=self.options.mamba or geometry.mamba,
             )
         except ValueError as exc:
-            raise RuntimeError(f"{exc}: check --kernel-block-size and --sliding-window") from None
+            raise RuntimeError(
+                f"{exc}: check --kernel-block-size, --sliding-window and --mamba"
+            ) from None
         if not self.model:
             models = await request(self.http, "GET", f"{self.options.api}/v1/models", log)
             try:

@@ -1,5 +1,6 @@
-"""Producer case: a KV-cache group with a sliding window (§10.4.7). P keeps of a prompt's blocks
-in that group only the last ``ceil(window / block_size) + 1``, and a D lists just those."""
+"""Producer cases: a second KV-cache group, of sliding-window layers (§10.4.7: P keeps of a
+prompt's blocks there only the last ``ceil(window / block_size) + 1``, and a D lists just those)
+or of state-space layers (§10.6.3: one state block, after null-block placeholders)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 
 from pdwire import error_strings
 from pdwire.messages import XferResponseStatus
-from pdwire.planning import window_blocks
+from pdwire.planning import NULL_BLOCK_ID, window_blocks
 
 from ..case import Unsupported, case, expect, expect_equal
 from ..peers.fake_d import SENTINEL, DWorker
@@ -16,8 +17,8 @@ from .producer_env import Loaded, ProducerCtx
 FINISH = XferResponseStatus.FINISH
 
 
-def _window_rows_written(worker: DWorker, blocks: list[int]) -> list[tuple[int, int]]:
-    """(region, block) pairs of the window group's regions among ``blocks`` that P wrote."""
+def _group_one_written(worker: DWorker, blocks: list[int]) -> list[tuple[int, int]]:
+    """(region, block) pairs of group 1's regions among ``blocks`` that P wrote."""
     return [
         (i, b)
         for i, r in enumerate(worker.regions)
@@ -27,12 +28,13 @@ def _window_rows_written(worker: DWorker, blocks: list[int]) -> list[tuple[int, 
     ]
 
 
-def _expect_window_kept(loaded: Loaded, kept: int) -> None:
+def _expect_group_one_kept(loaded: Loaded, kept: int) -> None:
+    """P wrote group 1's layers in none but the last ``kept`` blocks of each D worker."""
     for w, blocks in loaded.blocks.items():
-        touched = _window_rows_written(w, blocks[: len(blocks) - kept])
+        touched = _group_one_written(w, blocks[: len(blocks) - kept])
         expect(
             not touched,
-            f"P wrote the window group's layers in blocks D did not list there (region, block): "
+            f"P wrote group 1's layers in blocks D did not list there (region, block): "
             f"{touched[:8]}",
         )
 
@@ -55,7 +57,7 @@ async def window_group_carries_its_last_blocks(t: ProducerCtx) -> None:
     loaded = await t.load(prompt=prompt)
     try:
         t.expect_loaded(loaded)
-        _expect_window_kept(loaded, kept)
+        _expect_group_one_kept(loaded, kept)
     finally:
         t.release(loaded)
     tid, d_req = t.new_transfer_id(), t.new_d_req()
@@ -74,6 +76,39 @@ async def window_group_carries_its_last_blocks(t: ProducerCtx) -> None:
                 expect_equal(
                     r.terminal.err_msg, error_strings.P_BLOCKS_LESS_THAN_D, f"to {addr}: err_msg"
                 )
+    finally:
+        for w, blocks in taken.items():
+            w.give_back(blocks)
+
+
+@case("producer/10.6/3", "10.6.3", caught_by=("keeps-null-blocks",))
+async def state_space_null_blocks_are_placeholders(t: ProducerCtx) -> None:
+    """With a KV-cache group of state-space layers, a D that lists there its state block after
+    a null block (id 0) for each earlier block of the prompt gets the state written, and
+    nothing in its null block or its other blocks of that group's layers; a D that lists more
+    null blocks than P holds blocks there is served alike: P drops the null blocks of both
+    sides before comparing the lists."""
+    if not t.geometry.mamba:
+        raise Unsupported(
+            "P has no KV-cache group of state-space layers (give --mamba when its odd layers are)"
+        )
+    prompt = t.prompt()
+    loaded = await t.load(prompt=prompt)
+    try:
+        t.expect_loaded(loaded)
+        _expect_group_one_kept(loaded, 1)
+    finally:
+        t.release(loaded)
+    tid, d_req = t.new_transfer_id(), t.new_d_req()
+    t.expect_leg_ok(await t.prefill(tid, prompt=prompt))
+    n = t.blocks_for(len(prompt))
+    taken = {w: w.take(n) for w in t.d_workers()}
+    try:
+        for w, blocks in taken.items():
+            lists = [blocks, [NULL_BLOCK_ID] * (n + 2) + blocks[-1:]]
+            for addr in t.targets(w):
+                t.expect_ok(w, addr, await t.pull(w, addr, {d_req: (tid, lists)}), d_req)
+            t.expect_written(w, blocks)
     finally:
         for w, blocks in taken.items():
             w.give_back(blocks)

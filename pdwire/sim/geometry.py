@@ -24,6 +24,9 @@ class Geometry:
     #: tokens of the sliding window of the odd layers, which then form KV-cache group 1 (a
     #: hybrid model, as vLLM's hybrid KV-cache manager groups it); None: one group
     sliding_window: int | None = None
+    #: the odd layers are state-space (Mamba) layers, KV-cache group 1: a request holds its
+    #: state in one block, its list's other entries null-block placeholders (10.6.3)
+    mamba: bool = False
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size
@@ -37,21 +40,35 @@ class Geometry:
                 f"sliding_window needs at least 1 token and 2 layers, got {window} over "
                 f"{self.num_layers} layers"
             )
+        if self.mamba and (window is not None or kernel is not None or self.num_layers < 2):
+            raise ValueError(
+                "mamba needs 2 layers or more, and neither a sliding window nor a kernel block "
+                "size (its group 1 would be two kinds at once)"
+            )
 
     @property
     def num_groups(self) -> int:
-        """KV-cache groups: 2 with a sliding window (its odd layers), else 1."""
-        return 1 if self.sliding_window is None else 2
+        """KV-cache groups: 2 with a sliding window or state-space layers (its odd layers)."""
+        return 2 if self.sliding_window is not None or self.mamba else 1
+
+    @property
+    def mamba_groups(self) -> frozenset[int]:
+        return frozenset({1}) if self.mamba else frozenset()
 
     def group_of(self, layer: int) -> int:
-        return 0 if self.sliding_window is None else layer % 2
+        return layer % 2 if self.num_groups == 2 else 0
 
     def firsts(self, prompt_blocks: int) -> list[int]:
-        """Per group, the first of a prompt's blocks it keeps: all of them, or in the sliding
-        window group the last ``ceil(window / block_size) + 1`` (10.4.7)."""
-        if self.sliding_window is None:
+        """Per group, the first of a prompt's blocks it keeps: all of them; in a sliding-window
+        group the last ``ceil(window / block_size) + 1`` (10.4.7); in a state-space group the
+        last, which holds the state."""
+        if self.sliding_window is not None:
+            kept = window_blocks(self.sliding_window, self.block_size)
+        elif self.mamba:
+            kept = 1
+        else:
             return [0]
-        return [0, max(0, prompt_blocks - window_blocks(self.sliding_window, self.block_size))]
+        return [0, max(0, prompt_blocks - kept)]
 
     @property
     def kernel_blocks(self) -> int:
@@ -106,4 +123,5 @@ class Geometry:
             replicated=tp_size > self.num_kv_heads,
             total_kv_heads=self.num_kv_heads,
             kernel_blocks=self.kernel_blocks,
+            mamba_groups=self.mamba_groups,
         )

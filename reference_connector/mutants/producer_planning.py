@@ -144,3 +144,12 @@ def keep_every_block() -> None:
     from pdwire.sim.geometry import Geometry
 
     replace(Geometry, "firsts", lambda self, prompt_blocks: [0] * self.num_groups)
+
+
+@mutant(
+    "keeps-null-blocks",
+    "prefill",
+    "compares and copies a state-space group's null-block placeholders like blocks (10.6.3)",
+)
+def _keeps_null_blocks() -> None:
+    replace(planning, "_without_null_blocks", lambda blocks, groups: list(blocks))

@@ -33,17 +33,20 @@ SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=4, num_blo
 MAX_TOKENS = 6
 WAIT = 30.0  # seconds any HTTP request may take
 #: name -> (role, TP, PP, load-failure policy, kernel block size: rows of 2 tokens (10.6.6),
-#: sliding window of the odd layers: 4 tokens, 2 of a prompt's blocks (10.4.7))
+#: sliding window of the odd layers: 4 tokens, 2 of a prompt's blocks (10.4.7); 0: the odd
+#: layers are state-space layers instead (10.6.3))
 NODES: dict[str, tuple[str, int, int, Policy, int | None, int | None]] = {
     "p1": ("prefill", 1, 1, "fail", None, None),
     "p_tp2": ("prefill", 2, 1, "fail", None, None),
     "p_pp2": ("prefill", 1, 2, "fail", None, None),
     "p_tp2_k2": ("prefill", 2, 1, "fail", 2, None),
     "p_tp2_sw": ("prefill", 2, 1, "fail", None, 4),
+    "p_mamba": ("prefill", 1, 1, "fail", None, 0),
     "d1": ("decode", 1, 1, "fail", None, None),
     "d_tp2": ("decode", 2, 1, "recompute", None, None),
     "d_k2": ("decode", 1, 1, "fail", 2, None),
     "d_sw": ("decode", 1, 1, "fail", None, 4),
+    "d_tp2_mamba": ("decode", 2, 1, "fail", None, 0),
 }
 
 
@@ -108,7 +111,9 @@ class Cluster:
 
 def _shape(node: str) -> KVShape:
     kernel, window = NODES[node][4:]
-    return dataclasses.replace(SHAPE, kernel_block_size=kernel, sliding_window=window)
+    return dataclasses.replace(
+        SHAPE, kernel_block_size=kernel, sliding_window=window or None, mamba=window == 0
+    )
 
 
 def _start(name: str) -> NodeServer:
@@ -231,6 +236,7 @@ def test_chat_completion(cluster: Cluster) -> None:
         ("p_pp2", "d1"),
         ("p_tp2_k2", "d_k2"),
         ("p_tp2_sw", "d_sw"),
+        ("p_mamba", "d_tp2_mamba"),
     ],
 )
 def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> None:

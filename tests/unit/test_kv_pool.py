@@ -98,3 +98,25 @@ def test_a_window_request_hashes_alike_wherever_its_blocks_are() -> None:
 
     assert digests(0, 11) == digests(7, 11)
     assert digests(0, 11) != digests(0, 12)
+
+
+def test_a_state_space_group_lists_null_blocks_before_its_state() -> None:
+    """10.6.3: the odd layers keep a prompt's last block only, and a transfer's list of their
+    group puts a null block (id 0) for each block before it."""
+    mamba = dataclasses.replace(SHAPE, num_layers=4, mamba=True, num_blocks=16)
+    sizes, firsts = mamba.table_sizes(len(LONG), len(LONG) + 3)
+    assert (sizes, firsts) == ([5, 2], [0, 3])
+    table = BlockTable.split(list(range(1, 8)), sizes, firsts)
+    assert table.upto(4).lists(frozenset({1})) == [[1, 2, 3, 4], [0, 0, 0, 6]]
+    assert table.upto(4).lists() == [[1, 2, 3, 4], [6]]
+    pool = KVPool(mamba, 1, 0, 1, 0)
+    assert pool.side(0).mamba_groups == frozenset({1})
+    pool.write_prompt(LONG, table)
+    assert pool.verify(LONG, table)[0]
+
+
+def test_group_one_is_of_one_kind() -> None:
+    with pytest.raises(ValueError, match="mamba needs 2 layers or more, and neither"):
+        dataclasses.replace(SHAPE, mamba=True, sliding_window=4)
+    with pytest.raises(ValueError, match="sliding_window needs at least 1 token and 2 layers"):
+        dataclasses.replace(SHAPE, num_layers=1, sliding_window=4)

@@ -598,6 +598,29 @@ def test_kernel_blocks_stand_for_their_rows() -> None:
     ]
 
 
+def test_state_space_groups_drop_null_blocks_on_both_sides() -> None:
+    """10.6.3: in a group of state-space layers, block id 0 (the null block) is a placeholder on
+    either side: left out before P's blocks are compared with D's, and never copied."""
+    attention = (page_region(0x10000), page_region(0x90000))
+    state = (page_region(0x20000, 1), page_region(0xA0000, 1))
+    plan = dataclasses.replace(simple_plan(attention, state), mamba_groups=frozenset({1}))
+    d = descs_of(descriptors(plan, [[1, 2], [0, 7]], [[5, 6], [0, 0, 9]]))
+    assert triples(d) == [
+        (0x10000 + 1 * PAGE, 0x90000 + 5 * PAGE, 2 * PAGE),
+        (0x20000 + 7 * PAGE, 0xA0000 + 9 * PAGE, PAGE),
+    ]
+    without = descriptors(simple_plan(attention, state), [[1, 2], [0, 7]], [[5, 6], [0, 0, 9]])
+    assert isinstance(without, PlanError) and without.code is ErrorCode.P_BLOCKS_LESS_THAN_D
+    only_nulls = descs_of(descriptors(plan, [[1, 2], [0, 0]], [[5, 6], [0]]))
+    assert triples(only_nulls) == [(0x10000 + 1 * PAGE, 0x90000 + 5 * PAGE, 2 * PAGE)]
+
+
+def test_prepare_takes_the_state_space_groups_of_p() -> None:
+    side = Side(1, 0, 1, (page_region(0x10000),), mamba_groups=frozenset({1}))
+    plan = prepare(side, Side(1, 0, 1, (page_region(0x90000),)))
+    assert isinstance(plan, Plan) and plan.mamba_groups == frozenset({1})
+
+
 def test_shared_region_takes_groups_blocks_together_in_group_order() -> None:
     plan = simple_plan(
         (page_region(0x10000, -1, (2, 0)), page_region(0x90000, -1, (0, 2))),
