@@ -91,6 +91,12 @@ def _geometry(p: argparse.ArgumentParser) -> None:
         help="P's odd layers are state-space (Mamba) layers, KV-cache group 1: D lists there "
         "a request's state block after a null block (id 0) for each earlier block (10.6.3)",
     )
+    g.add_argument(
+        "--packed-rows",
+        action="store_true",
+        help="P's regions are slices of packed rows (row offsets 0 and up): the fake D packs "
+        "its rows likewise (10.7.8)",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -501,6 +507,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         kernel_block_size=args.kernel_block_size,
         sliding_window=args.sliding_window,
         mamba=args.mamba,
+        packed_rows=args.packed_rows,
     )
 
 

@@ -112,6 +112,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "group 1 (10.6.3)",
     )
     group.addoption(
+        "--pdwire-packed-rows",
+        action="store_true",
+        help="with --pdwire-producer: P's regions are slices of packed rows (10.7.8)",
+    )
+    group.addoption(
         "--pdwire-timeout",
         type=float,
         default=10.0,
@@ -208,6 +213,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 kernel_block_size=config.getoption("--pdwire-kernel-block-size"),
                 sliding_window=config.getoption("--pdwire-sliding-window"),
                 mamba=config.getoption("--pdwire-mamba"),
+                packed_rows=config.getoption("--pdwire-packed-rows"),
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)

@@ -51,6 +51,7 @@ class Layout:
     kernel_block_size: int = 0  # the testees' kernel block size (10.6.6); 0: the block size
     sliding_window: int = 0  # the testees' sliding window over their odd layers (10.4.7); 0: none
     mamba: bool = False  # the testees' odd layers are state-space layers (10.6.3)
+    packed_rows: bool = False  # the testees' regions are slices of packed rows (10.7.8)
 
     @property
     def geometry(self) -> Geometry:
@@ -62,6 +63,7 @@ class Layout:
             kernel_block_size=self.kernel_block_size or None,
             sliding_window=self.sliding_window or None,
             mamba=self.mamba,
+            packed_rows=self.packed_rows,
         )
 
 
@@ -82,6 +84,8 @@ KERNEL_BLOCKS: Final = Layout(prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE
 WINDOW: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE)
 #: The testee of the case of a state-space KV-cache group.
 MAMBA: Final = Layout(prefill_tp=1, mamba=True)
+#: The testee of the case of packed rows.
+PACKED: Final = Layout(prefill_tp=1, packed_rows=True)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
@@ -93,6 +97,7 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "consumer/10.4/1": WINDOW,
     "consumer/10.10/5": WINDOW,
     "producer/10.6/3": MAMBA,
+    "producer/10.7/3": PACKED,
 }
 
 
@@ -140,6 +145,8 @@ def start(
         geometry = (*geometry, "--sliding-window", str(layout.sliding_window))
     if layout.mamba:
         geometry = (*geometry, "--mamba")
+    if layout.packed_rows:
+        geometry = (*geometry, "--packed-rows")
     if role == "prefill":
         delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(

@@ -96,6 +96,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "request keeps its state in one block there, and its list in a transfer puts null "
         "blocks (id 0, never allocated) before it (spec 10.6.3)",
     )
+    geometry.add_argument(
+        "--packed-rows",
+        action="store_true",
+        help="lay each worker's pool out as one row per block holding every layer's K and V, "
+        "its regions views into that row (row offsets, spec 3.2-R10), as a packed MLA cache is",
+    )
     geometry.add_argument("--num-blocks", type=int, default=512, help="blocks per worker pool")
     geometry.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     geometry.add_argument("--vocab", type=int, default=32000)
@@ -228,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
             kernel_block_size=args.kernel_block_size,
             sliding_window=args.sliding_window,
             mamba=args.mamba,
+            packed_rows=args.packed_rows,
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)

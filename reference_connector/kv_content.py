@@ -53,6 +53,7 @@ class KVShape:
     kernel_block_size: int | None = None  # the pool's rows, when smaller than a block (10.6.6)
     sliding_window: int | None = None  # the odd layers' window: KV-cache group 1 (10.4.7)
     mamba: bool = False  # the odd layers are state-space layers: KV-cache group 1 (10.6.3)
+    packed_rows: bool = False  # a block is one row of every layer, the regions views into it
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -82,6 +83,7 @@ class KVShape:
             kernel_block_size=self.kernel_block_size,
             sliding_window=self.sliding_window,
             mamba=self.mamba,
+            packed_rows=self.packed_rows,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:

@@ -2,14 +2,15 @@
 
 ``KVPool`` is one contiguous tensor per worker, [its layers, K/V, rows, its heads, row tokens,
 head_dim]: for each layer, K then V, each an LBHNC region of ``num_blocks`` blocks, as
-``Geometry.side`` lays them out. A row is a block, or with a kernel block size smaller than the
-block size one of the block's ``q`` kernel blocks: block ``b`` is rows ``b*q ... b*q+q-1``
-(10.6.6). ``register`` hands the tensor to the transfer engine and returns
-the worker's ``Side`` with the regions' real base addresses. Block ids are the node's: every
-worker of a node holds the same block ids for a request (vLLM's scheduler allocates them once),
-so the allocator (``block_allocator``) lives in the node's front process. With a sliding window
-(``KVShape.sliding_window``) the odd layers form KV-cache group 1, with block ids of their own
-(a ``BlockTable``): every id has its rows in every layer, and each group uses them in its own
+``Geometry.side`` lays them out (with ``packed_rows`` the tensor is [rows, layers, K/V, ...], each
+row holding every layer, and ``kv`` is that order seen as the other). A row is a block, or with a
+kernel block size smaller than the block size one of the block's ``q`` kernel blocks: block ``b``
+is rows ``b*q ... b*q+q-1`` (10.6.6). ``register`` hands the tensor to the transfer engine and
+returns the worker's ``Side`` with the regions' real base addresses. Block ids are the node's:
+every worker of a node holds the same block ids for a request (vLLM's scheduler allocates them
+once), so the allocator (``block_allocator``) lives in the node's front process. With a sliding
+window (``KVShape.sliding_window``) the odd layers form KV-cache group 1, with block ids of their
+own (a ``BlockTable``): every id has its rows in every layer, and each group uses them in its own
 layers only, keeping of the prompt only the blocks its window needs (10.4.7).
 """
 
@@ -38,9 +39,15 @@ class KVPool:
         self.layers = shape.layers(pp_size, pp_rank)
         self.heads = shape.heads(tp_size, tp_rank)
         self.q = shape.geometry().kernel_blocks
-        dims = (len(self.layers), 2, shape.num_blocks * self.q, len(self.heads))
+        rows, heads = shape.num_blocks * self.q, len(self.heads)
         row_tokens = shape.block_size // self.q
-        self.kv = torch.zeros((*dims, row_tokens, shape.head_dim), dtype=shape.torch_dtype)
+        cell = (heads, row_tokens, shape.head_dim)
+        if shape.packed_rows:  # a block is one row of every layer: [rows, layers, K/V, ...]
+            self.storage = torch.zeros((rows, len(self.layers), 2, *cell), dtype=shape.torch_dtype)
+            self.kv = self.storage.permute(1, 2, 0, 3, 4, 5)
+        else:
+            self.storage = torch.zeros((len(self.layers), 2, rows, *cell), dtype=shape.torch_dtype)
+            self.kv = self.storage
         self._words = self.kv.view(torch.int16)
         self.words: Words = self._words.numpy()
         geometry = shape.geometry()
@@ -70,7 +77,7 @@ class KVPool:
         return dataclasses.replace(s, regions=regions)
 
     def register(self, transport: MooncakeTransport) -> Side:
-        return self.side(transport.register(self.kv))
+        return self.side(transport.register(self.storage))
 
     # -- content -----------------------------------------------------------------------------
 

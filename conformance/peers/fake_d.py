@@ -119,7 +119,7 @@ class DWorker:
         self.side = dataclasses.replace(
             simulated,
             regions=tuple(
-                dataclasses.replace(r, base_addr=base + r.base_addr - origin, row_offset=-1)
+                dataclasses.replace(r, base_addr=base + r.base_addr - origin)
                 for r in simulated.regions
             ),
         )
@@ -197,11 +197,11 @@ class DWorker:
     def stray_bytes(self) -> int:
         """Bytes outside the held blocks that are no longer the sentinel."""
         mask = np.ones(self.memory.shape, dtype=bool)
-        for i in range(len(self.regions)):
+        for r in self.regions:
             for b in self._held:
-                r = self.regions[i]
                 start = self._start(r, b)
-                mask[start : start + self.q * r.block_len] = False
+                for row in range(start, start + self.q * r.block_len, r.block_len):
+                    mask[row : row + r.kv_block_len] = False
         return int(np.count_nonzero(self.memory[mask] != SENTINEL))
 
     def _start(self, region: Region, block: int) -> int:

@@ -51,6 +51,7 @@ class ProducerOptions:
     kernel_block_size: int | None = None  # P's attention kernel's, when below its block size
     sliding_window: int | None = None  # the window of P's second KV-cache group (10.4.7)
     mamba: bool = False  # P's odd layers are state-space layers, its KV-cache group 1 (10.6.3)
+    packed_rows: bool = False  # P's regions are slices of packed rows; the fake D's are too
 
 
 class ProducerEnv:
@@ -107,10 +108,11 @@ class ProducerEnv:
                 kernel_block_size=kernel,
                 sliding_window=window,
                 mamba=self.options.mamba or geometry.mamba,
+                packed_rows=self.options.packed_rows or geometry.packed_rows,
             )
         except ValueError as exc:
             raise RuntimeError(
-                f"{exc}: check --kernel-block-size, --sliding-window and --mamba"
+                f"{exc}: check --kernel-block-size, --sliding-window, --mamba and --packed-rows"
             ) from None
         if not self.model:
             models = await request(self.http, "GET", f"{self.options.api}/v1/models", log)

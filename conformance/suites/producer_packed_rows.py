@@ -1,15 +1,16 @@
-"""Producer case: opaque packed rows across PP sizes (§10.2.8). A whole packed row registered
-under its first layer name hides the other layers it holds, so a P cannot align it with a D of
-another PP size; with equal PP sizes the layer sets are aligned whole and it is served."""
+"""Producer cases: packed rows. A whole packed row registered under its first layer name (an
+opaque one) hides the other layers it holds, so a P cannot align it with a D of another PP size;
+with equal PP sizes the layer sets are aligned whole and it is served (§10.2.8). A slice of a
+packed row stays a slice when a layer of its row was skipped (§10.7.8)."""
 
 from __future__ import annotations
 
 from pdwire import error_strings
 
-from ..case import case
+from ..case import Unsupported, case
 from ..peers.fake_d import DWorker
 from .producer_env import ProducerCtx
-from .producer_pairing import expect_error
+from .producer_pairing import expect_error, load_like_control
 
 
 def first_region_packed(worker: DWorker) -> list[int]:
@@ -47,3 +48,16 @@ async def packed_rows_across_pp_sizes(t: ProducerCtx) -> None:
             t.expect_loaded(loaded)
         finally:
             t.release(loaded)
+
+
+@case("producer/10.7/3", "10.7.8", covers=("10.7.6",), caught_by=("widens-packed-rows",))
+async def packed_slices_are_not_widened(t: ProducerCtx) -> None:
+    """With P's regions slices of packed rows, a D of one PP stage more than P, its rows packed
+    too (each holding fewer layers than P's), gets each layer it holds in that layer's slice of
+    its rows, with the control's bytes, and nothing past them: P does not widen a slice to its
+    whole row when a layer of that row was skipped."""
+    if not t.geometry.packed_rows:
+        raise Unsupported(
+            "P's regions are not slices of packed rows (give --packed-rows when they are)"
+        )
+    await load_like_control(t, d_pp=t.p_pp + 1)

@@ -27,6 +27,9 @@ class Geometry:
     #: the odd layers are state-space (Mamba) layers, KV-cache group 1: a request holds its
     #: state in one block, its list's other entries null-block placeholders (10.6.3)
     mamba: bool = False
+    #: each block is one row holding every layer of the worker, K then V of each in turn; the
+    #: regions are views into it (row offsets, §3.2), as in a packed MLA cache
+    packed_rows: bool = False
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size
@@ -45,6 +48,8 @@ class Geometry:
                 "mamba needs 2 layers or more, and neither a sliding window nor a kernel block "
                 "size (its group 1 would be two kinds at once)"
             )
+        if self.packed_rows and kernel is not None:
+            raise ValueError("packed_rows takes no kernel block size: a row is a whole block")
 
     @property
     def num_groups(self) -> int:
@@ -98,23 +103,29 @@ class Geometry:
         return range(pp_rank * per, min(self.num_layers, (pp_rank + 1) * per))
 
     def side(self, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, worker: int) -> Side:
-        """The regions of one worker: K and V of each layer of its PP stage."""
+        """The regions of one worker: K and V of each layer of its PP stage, each a tensor of
+        its own, or with ``packed_rows`` a slice of the worker's rows."""
         length = self.block_bytes(tp_size)
         span = length * self.num_blocks * self.kernel_blocks
         base = _BASE + worker * (2 * self.num_layers + 1) * span
-        regions = tuple(
-            Region(
+        layers = self.stage_layers(pp_size, pp_rank)
+
+        def region(i: int, layer: int, kv: int) -> Region:
+            if self.packed_rows:  # slot 2i + kv of a row of every layer of the stage
+                offset, stride, in_row = (2 * i + kv) * length, 2 * len(layers) * length, True
+            else:
+                offset, stride, in_row = (2 * layer + kv) * span, length, False
+            return Region(
                 layer_name=f"model.layers.{layer}.self_attn.attn",
                 layer_index=layer,
-                base_addr=base + (2 * layer + kv) * span,
-                block_len=length,
+                base_addr=base + offset,
+                block_len=stride,
                 kv_block_len=length,
                 group_index=self.group_of(layer),
-                row_offset=-1,
+                row_offset=offset if in_row else -1,
             )
-            for layer in self.stage_layers(pp_size, pp_rank)
-            for kv in range(2)
-        )
+
+        regions = tuple(region(i, layer, kv) for i, layer in enumerate(layers) for kv in range(2))
         return Side(
             tp_size=tp_size,
             tp_rank=tp_rank,

@@ -153,3 +153,20 @@ def keep_every_block() -> None:
 )
 def _keeps_null_blocks() -> None:
     replace(planning, "_without_null_blocks", lambda blocks, groups: list(blocks))
+
+
+@mutant(
+    "widens-packed-rows",
+    "prefill",
+    "copies a slice at the start of a packed row as the whole row, though layers were skipped",
+)
+def _widens_packed_rows() -> None:
+    original = planning._place
+
+    def place(i: int, src: Region, dst: Region, shards: Any) -> Any:
+        placed = original(i, src, dst, shards)
+        if isinstance(placed, RegionPlan) and src.row_offset == 0 == dst.row_offset:
+            return dataclasses.replace(placed, length=src.block_len)
+        return placed
+
+    replace(planning, "_place", place)

@@ -32,21 +32,23 @@ from reference_connector.node_worker import WorkerError
 SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=4, num_blocks=192, vocab=256)
 MAX_TOKENS = 6
 WAIT = 30.0  # seconds any HTTP request may take
-#: name -> (role, TP, PP, load-failure policy, kernel block size: rows of 2 tokens (10.6.6),
-#: sliding window of the odd layers: 4 tokens, 2 of a prompt's blocks (10.4.7); 0: the odd
-#: layers are state-space layers instead (10.6.3))
-NODES: dict[str, tuple[str, int, int, Policy, int | None, int | None]] = {
-    "p1": ("prefill", 1, 1, "fail", None, None),
-    "p_tp2": ("prefill", 2, 1, "fail", None, None),
-    "p_pp2": ("prefill", 1, 2, "fail", None, None),
-    "p_tp2_k2": ("prefill", 2, 1, "fail", 2, None),
-    "p_tp2_sw": ("prefill", 2, 1, "fail", None, 4),
-    "p_mamba": ("prefill", 1, 1, "fail", None, 0),
-    "d1": ("decode", 1, 1, "fail", None, None),
-    "d_tp2": ("decode", 2, 1, "recompute", None, None),
-    "d_k2": ("decode", 1, 1, "fail", 2, None),
-    "d_sw": ("decode", 1, 1, "fail", None, 4),
-    "d_tp2_mamba": ("decode", 2, 1, "fail", None, 0),
+#: name -> (role, TP, PP, load-failure policy, KV geometry beyond SHAPE's): rows of 2 tokens
+#: (10.6.6); a sliding window of 4 tokens over the odd layers, 2 of a prompt's blocks (10.4.7);
+#: state-space odd layers (10.6.3); rows that pack every layer (3.2-R10)
+NODES: dict[str, tuple[str, int, int, Policy, dict[str, Any]]] = {
+    "p1": ("prefill", 1, 1, "fail", {}),
+    "p_tp2": ("prefill", 2, 1, "fail", {}),
+    "p_pp2": ("prefill", 1, 2, "fail", {}),
+    "p_tp2_k2": ("prefill", 2, 1, "fail", {"kernel_block_size": 2}),
+    "p_tp2_sw": ("prefill", 2, 1, "fail", {"sliding_window": 4}),
+    "p_mamba": ("prefill", 1, 1, "fail", {"mamba": True}),
+    "p_tp2_packed": ("prefill", 2, 1, "fail", {"packed_rows": True}),
+    "d1": ("decode", 1, 1, "fail", {}),
+    "d_tp2": ("decode", 2, 1, "recompute", {}),
+    "d_k2": ("decode", 1, 1, "fail", {"kernel_block_size": 2}),
+    "d_sw": ("decode", 1, 1, "fail", {"sliding_window": 4}),
+    "d_tp2_mamba": ("decode", 2, 1, "fail", {"mamba": True}),
+    "d_packed": ("decode", 1, 1, "fail", {"packed_rows": True}),
 }
 
 
@@ -110,10 +112,7 @@ class Cluster:
 
 
 def _shape(node: str) -> KVShape:
-    kernel, window = NODES[node][4:]
-    return dataclasses.replace(
-        SHAPE, kernel_block_size=kernel, sliding_window=window or None, mamba=window == 0
-    )
+    return dataclasses.replace(SHAPE, **NODES[node][4])
 
 
 def _start(name: str) -> NodeServer:
@@ -206,12 +205,18 @@ def test_health_models_and_stats(cluster: Cluster) -> None:
 
 
 def test_local_text_is_the_same_on_every_node(cluster: Cluster) -> None:
-    """The text depends on the prompt's KV bytes only, not on how TP and PP split them."""
+    """The text depends on the KV bytes each KV-cache group holds only, not on how TP and PP
+    split them, nor on kernel blocks or packed rows; a sliding window or state-space layers hold
+    other bytes, so they decode another text."""
     prompt = probe(stop=False)
-    expected = render(reference_completion(SHAPE, tokenize(prompt, SHAPE.vocab), MAX_TOKENS))
+    ids = tokenize(prompt, SHAPE.vocab)
+    expected = render(reference_completion(SHAPE, ids, MAX_TOKENS))
     assert len(expected.split()) == MAX_TOKENS
     for name in NODES:
-        assert cluster.local_text(name, prompt) == expected, name
+        shape = _shape(name)
+        want = render(reference_completion(shape, ids, MAX_TOKENS))
+        assert (want == expected) == (shape.geometry().num_groups == 1), name
+        assert cluster.local_text(name, prompt) == want, name
 
 
 def test_chat_completion(cluster: Cluster) -> None:
@@ -237,6 +242,7 @@ def test_chat_completion(cluster: Cluster) -> None:
         ("p_tp2_k2", "d_k2"),
         ("p_tp2_sw", "d_sw"),
         ("p_mamba", "d_tp2_mamba"),
+        ("p_tp2_packed", "d_packed"),
     ],
 )
 def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> None:

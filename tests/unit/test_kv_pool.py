@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from reference_connector.kv_content import BlockTable, KVShape
 from reference_connector.kv_pool import KVPool
@@ -120,3 +121,26 @@ def test_group_one_is_of_one_kind() -> None:
         dataclasses.replace(SHAPE, mamba=True, sliding_window=4)
     with pytest.raises(ValueError, match="sliding_window needs at least 1 token and 2 layers"):
         dataclasses.replace(SHAPE, num_layers=1, sliding_window=4)
+
+
+def test_packed_rows_hold_a_request_like_separate_regions() -> None:
+    """A pool of packed rows holds, verifies and hashes a request as a pool of one region per
+    layer does; each region of its side is a slice of the row at its row offset."""
+    packed = KVPool(dataclasses.replace(SHAPE, packed_rows=True), 1, 0, 1, 0)
+    assert packed.storage.is_contiguous() and packed.kv.shape == _pool(None).kv.shape
+    side = packed.side(0x1000)
+    row = side.regions[0].block_len
+    assert [r.row_offset for r in side.regions] == [i * row // 4 for i in range(4)]
+    assert [r.base_addr - 0x1000 for r in side.regions] == [r.row_offset for r in side.regions]
+    packed.write_prompt(IDS, TABLE)
+    assert packed.verify(IDS, TABLE)[0]
+    layer1_v = packed.storage[6, 1, 1].flatten().view(torch.int16)
+    assert torch.equal(layer1_v, packed.expected(IDS)[1, 1, 0].flatten())
+
+    def digests(pool: KVPool) -> bytes:
+        pool.write_prompt(IDS, TABLE)
+        digest = pool.new_digest()
+        pool.digest(digest, TABLE, 0, len(IDS))
+        return digest.digests()
+
+    assert digests(packed) == digests(_pool(None))
