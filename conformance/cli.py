@@ -97,6 +97,12 @@ def _geometry(p: argparse.ArgumentParser) -> None:
         help="P's regions are slices of packed rows (row offsets 0 and up): the fake D packs "
         "its rows likewise (10.7.8)",
     )
+    g.add_argument(
+        "--opaque-rows",
+        action="store_true",
+        help="P registers each packed row whole, one region named after its first layer (shared "
+        "by its KV-cache groups when it has two): the fake D does likewise (10.2.8, 10.6.7)",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -508,6 +514,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         sliding_window=args.sliding_window,
         mamba=args.mamba,
         packed_rows=args.packed_rows,
+        opaque_rows=args.opaque_rows,
     )
 
 

@@ -117,6 +117,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="with --pdwire-producer: P's regions are slices of packed rows (10.7.8)",
     )
     group.addoption(
+        "--pdwire-opaque-rows",
+        action="store_true",
+        help="with --pdwire-producer: P registers its packed rows whole (10.2.8, 10.6.7)",
+    )
+    group.addoption(
         "--pdwire-timeout",
         type=float,
         default=10.0,
@@ -214,6 +219,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 sliding_window=config.getoption("--pdwire-sliding-window"),
                 mamba=config.getoption("--pdwire-mamba"),
                 packed_rows=config.getoption("--pdwire-packed-rows"),
+                opaque_rows=config.getoption("--pdwire-opaque-rows"),
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)

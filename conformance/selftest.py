@@ -52,6 +52,7 @@ class Layout:
     sliding_window: int = 0  # the testees' sliding window over their odd layers (10.4.7); 0: none
     mamba: bool = False  # the testees' odd layers are state-space layers (10.6.3)
     packed_rows: bool = False  # the testees' regions are slices of packed rows (10.7.8)
+    opaque_rows: bool = False  # the testees register their packed rows whole (10.6.7)
 
     @property
     def geometry(self) -> Geometry:
@@ -64,6 +65,7 @@ class Layout:
             sliding_window=self.sliding_window or None,
             mamba=self.mamba,
             packed_rows=self.packed_rows,
+            opaque_rows=self.opaque_rows,
         )
 
 
@@ -86,6 +88,9 @@ WINDOW: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE)
 MAMBA: Final = Layout(prefill_tp=1, mamba=True)
 #: The testee of the case of packed rows.
 PACKED: Final = Layout(prefill_tp=1, packed_rows=True)
+#: The testee of the cases of packed rows registered whole, one region both KV-cache groups of a
+#: sliding-window model share.
+OPAQUE: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE, opaque_rows=True)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
@@ -98,6 +103,8 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "consumer/10.10/5": WINDOW,
     "producer/10.6/3": MAMBA,
     "producer/10.7/3": PACKED,
+    "producer/10.6/4": OPAQUE,
+    "producer/10.2/4": OPAQUE,
 }
 
 
@@ -147,6 +154,8 @@ def start(
         geometry = (*geometry, "--mamba")
     if layout.packed_rows:
         geometry = (*geometry, "--packed-rows")
+    if layout.opaque_rows:
+        geometry = (*geometry, "--opaque-rows")
     if role == "prefill":
         delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(

@@ -20,10 +20,6 @@ UNCOVERED: Final[dict[str, str]] = {
     "alike; pdwire's encoder is checked against vLLM's bytes in tests/unit/test_vllm_bytes.py",
     "2.3-R4": "an engine sends a message this long only for a batch of about a million blocks, "
     "which no request to a testee here produces",
-    "10.6.7": "a region shared by several KV-cache groups (one storage two groups use, which "
-    "the hybrid KV-cache manager registers once) is a geometry the testees here do not have: "
-    "the harness can check it only against an engine that runs such a model; "
-    "tests/unit/test_planning.py checks pdwire's P",
     "10.10.9": "what D reports to its own scheduler is inside D "
     "(tests/unit/test_consumer.py checks pdwire's D)",
 }

@@ -102,6 +102,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="lay each worker's pool out as one row per block holding every layer's K and V, "
         "its regions views into that row (row offsets, spec 3.2-R10), as a packed MLA cache is",
     )
+    geometry.add_argument(
+        "--opaque-rows",
+        action="store_true",
+        help="packed rows (as --packed-rows) registered whole: one region a worker, named after "
+        "its first layer; with --sliding-window or --mamba both KV-cache groups share it (group "
+        "-1), and a transfer takes both groups' blocks together (spec 10.2.8, 10.6.7)",
+    )
     geometry.add_argument("--num-blocks", type=int, default=512, help="blocks per worker pool")
     geometry.add_argument("--dtype", choices=("bfloat16", "float16"), default="bfloat16")
     geometry.add_argument("--vocab", type=int, default=32000)
@@ -235,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
             sliding_window=args.sliding_window,
             mamba=args.mamba,
             packed_rows=args.packed_rows,
+            opaque_rows=args.opaque_rows,
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)

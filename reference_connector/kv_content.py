@@ -54,6 +54,7 @@ class KVShape:
     sliding_window: int | None = None  # the odd layers' window: KV-cache group 1 (10.4.7)
     mamba: bool = False  # the odd layers are state-space layers: KV-cache group 1 (10.6.3)
     packed_rows: bool = False  # a block is one row of every layer, the regions views into it
+    opaque_rows: bool = False  # packed rows registered whole (10.2.8), shared by groups (10.6.7)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -84,6 +85,7 @@ class KVShape:
             sliding_window=self.sliding_window,
             mamba=self.mamba,
             packed_rows=self.packed_rows,
+            opaque_rows=self.opaque_rows,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:

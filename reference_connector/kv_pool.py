@@ -42,7 +42,7 @@ class KVPool:
         rows, heads = shape.num_blocks * self.q, len(self.heads)
         row_tokens = shape.block_size // self.q
         cell = (heads, row_tokens, shape.head_dim)
-        if shape.packed_rows:  # a block is one row of every layer: [rows, layers, K/V, ...]
+        if shape.geometry().packs_rows:  # a block is one row of every layer: [rows, layers, ...]
             self.storage = torch.zeros((rows, len(self.layers), 2, *cell), dtype=shape.torch_dtype)
             self.kv = self.storage.permute(1, 2, 0, 3, 4, 5)
         else:

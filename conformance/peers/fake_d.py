@@ -189,8 +189,9 @@ class DWorker:
         return [
             (i, b)
             for i, r in enumerate(self.regions)
-            for b in lists[r.group_index]
-            if not (r.group_index in nulls and b == NULL_BLOCK_ID)
+            for g in (r.shared_group_ids if r.group_index < 0 else (r.group_index,))
+            for b in lists[g]
+            if not (g in nulls and b == NULL_BLOCK_ID)
             and any(bool(np.all(row == SENTINEL)) for row in self.rows(i, b))
         ]
 
@@ -225,7 +226,9 @@ class DWorker:
             "registered_layer_names": [r.layer_name for r in rs],
             "registered_layer_indices": [r.layer_index for r in rs],
             "registered_group_indices": [r.group_index for r in rs],
-            "registered_shared_group_ids": [[r.group_index] for r in rs],
+            "registered_shared_group_ids": [
+                list(r.shared_group_ids) or [r.group_index] for r in rs
+            ],
             "registered_row_offsets": [r.row_offset for r in rs],
         }
 

@@ -52,6 +52,7 @@ class ProducerOptions:
     sliding_window: int | None = None  # the window of P's second KV-cache group (10.4.7)
     mamba: bool = False  # P's odd layers are state-space layers, its KV-cache group 1 (10.6.3)
     packed_rows: bool = False  # P's regions are slices of packed rows; the fake D's are too
+    opaque_rows: bool = False  # P's packed rows are registered whole; the fake D's are too
 
 
 class ProducerEnv:
@@ -109,10 +110,12 @@ class ProducerEnv:
                 sliding_window=window,
                 mamba=self.options.mamba or geometry.mamba,
                 packed_rows=self.options.packed_rows or geometry.packed_rows,
+                opaque_rows=self.options.opaque_rows or geometry.opaque_rows,
             )
         except ValueError as exc:
             raise RuntimeError(
-                f"{exc}: check --kernel-block-size, --sliding-window, --mamba and --packed-rows"
+                f"{exc}: check --kernel-block-size, --sliding-window, --mamba, --packed-rows "
+                "and --opaque-rows"
             ) from None
         if not self.model:
             models = await request(self.http, "GET", f"{self.options.api}/v1/models", log)

@@ -1,6 +1,7 @@
 """Producer cases: a second KV-cache group, of sliding-window layers (§10.4.7: P keeps of a
 prompt's blocks there only the last ``ceil(window / block_size) + 1``, and a D lists just those)
-or of state-space layers (§10.6.3: one state block, after null-block placeholders)."""
+or of state-space layers (§10.6.3: one state block, after null-block placeholders); a region
+both groups share (§10.6.7)."""
 
 from __future__ import annotations
 
@@ -112,3 +113,35 @@ async def state_space_null_blocks_are_placeholders(t: ProducerCtx) -> None:
     finally:
         for w, blocks in taken.items():
             w.give_back(blocks)
+
+
+@case("producer/10.6/4", "10.6.7", covers=("10.7.3",), caught_by=("shared-region-one-group",))
+async def shared_region_takes_every_group(t: ProducerCtx) -> None:
+    """With a region P's two KV-cache groups share (group -1: a packed row registered whole), a
+    D whose shared region lists other blocks for each group gets every one of them written,
+    and nothing else of its memory: P takes the blocks of both groups together."""
+    g = t.geometry
+    if not (g.opaque_rows and g.num_groups == 2):
+        raise Unsupported(
+            "P has no region its KV-cache groups share (give --opaque-rows, and --sliding-window "
+            "or --mamba, when its packed rows are registered whole and it has two groups)"
+        )
+    tid, d_req, prompt = t.new_transfer_id(), t.new_d_req(), t.prompt()
+    t.expect_leg_ok(await t.prefill(tid, prompt=prompt))
+    n = t.blocks_for(len(prompt))
+    taken = {w: (w.take(n), w.take(n)) for w in t.d_workers()}
+    try:
+        for w, (first, second) in taken.items():
+            lists = [first, w.group_lists(second)[1]]
+            for addr in t.targets(w):
+                t.expect_ok(w, addr, await t.pull(w, addr, {d_req: (tid, lists)}), d_req)
+            asked = [b for ids in lists for b in ids if b != NULL_BLOCK_ID]
+            missing = [b for b in asked if any(bool(np.all(r == SENTINEL)) for r in w.rows(0, b))]
+            expect(not missing, f"blocks D listed that P did not write: {missing}")
+            unasked = [b for b in second if b not in asked]
+            touched = [b for b in unasked if not np.all(w.block(0, b) == SENTINEL)]
+            expect(not touched, f"blocks D did not list that P wrote: {touched}")
+            expect_equal(w.stray_bytes(), 0, "bytes written outside D's blocks")
+    finally:
+        for w, blocks in taken.items():
+            w.give_back([*blocks[0], *blocks[1]])

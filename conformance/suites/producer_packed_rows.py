@@ -50,6 +50,23 @@ async def packed_rows_across_pp_sizes(t: ProducerCtx) -> None:
             t.release(loaded)
 
 
+@case("producer/10.2/4", "10.2.8", covers=("7.1-R1",), caught_by=("packed-rows-across-pp",))
+async def own_opaque_rows_across_pp_sizes(t: ProducerCtx) -> None:
+    """A P whose packed rows are registered whole answers ERROR with message #2 to a D of one
+    PP stage more, though D's own regions are no packed rows."""
+    if not t.geometry.opaque_rows:
+        raise Unsupported("P's rows are not registered whole (give --opaque-rows when they are)")
+    d_pp = t.p_pp + 1
+    stage = t.worker(t.p_tp, 0, d_pp, 0)
+    await expect_error(
+        t,
+        stage,
+        f"a D of PP {d_pp} without packed rows",
+        error_strings.PP_PACKED_ROWS.format(p_pp_size=t.p_pp, d_pp_size=d_pp),
+        registered_row_offsets=[-1] * len(stage.regions),
+    )
+
+
 @case("producer/10.7/3", "10.7.8", covers=("10.7.6",), caught_by=("widens-packed-rows",))
 async def packed_slices_are_not_widened(t: ProducerCtx) -> None:
     """With P's regions slices of packed rows, a D of one PP stage more than P, its rows packed

@@ -30,6 +30,9 @@ class Geometry:
     #: each block is one row holding every layer of the worker, K then V of each in turn; the
     #: regions are views into it (row offsets, §3.2), as in a packed MLA cache
     packed_rows: bool = False
+    #: packed rows registered whole, one region a worker named after its first layer (an opaque
+    #: packed row, 3.2-R10), shared by both KV-cache groups when there are two (10.6.7)
+    opaque_rows: bool = False
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size
@@ -48,13 +51,18 @@ class Geometry:
                 "mamba needs 2 layers or more, and neither a sliding window nor a kernel block "
                 "size (its group 1 would be two kinds at once)"
             )
-        if self.packed_rows and kernel is not None:
-            raise ValueError("packed_rows takes no kernel block size: a row is a whole block")
+        if self.packs_rows and kernel is not None:
+            raise ValueError("packed rows take no kernel block size: a row is a whole block")
 
     @property
     def num_groups(self) -> int:
         """KV-cache groups: 2 with a sliding window or state-space layers (its odd layers)."""
         return 2 if self.sliding_window is not None or self.mamba else 1
+
+    @property
+    def packs_rows(self) -> bool:
+        """Whether a block is one row of every layer (``packed_rows`` or ``opaque_rows``)."""
+        return self.packed_rows or self.opaque_rows
 
     @property
     def mamba_groups(self) -> frozenset[int]:
@@ -111,7 +119,7 @@ class Geometry:
         layers = self.stage_layers(pp_size, pp_rank)
 
         def region(i: int, layer: int, kv: int) -> Region:
-            if self.packed_rows:  # slot 2i + kv of a row of every layer of the stage
+            if self.packs_rows:  # slot 2i + kv of a row of every layer of the stage
                 offset, stride, in_row = (2 * i + kv) * length, 2 * len(layers) * length, True
             else:
                 offset, stride, in_row = (2 * layer + kv) * span, length, False
@@ -126,6 +134,17 @@ class Geometry:
             )
 
         regions = tuple(region(i, layer, kv) for i, layer in enumerate(layers) for kv in range(2))
+        if self.opaque_rows:
+            whole = regions[0].block_len
+            shared = self.num_groups > 1
+            regions = (
+                dataclasses.replace(
+                    regions[0],
+                    kv_block_len=whole,
+                    group_index=-1 if shared else 0,
+                    shared_group_ids=tuple(range(self.num_groups)) if shared else (),
+                ),
+            )
         return Side(
             tp_size=tp_size,
             tp_rank=tp_rank,

@@ -170,3 +170,13 @@ def _widens_packed_rows() -> None:
         return placed
 
     replace(planning, "_place", place)
+
+
+@mutant(
+    "shared-region-one-group",
+    "prefill",
+    "copies a region its KV-cache groups share at the blocks of the first group only (10.6.7)",
+)
+def _shared_region_one_group() -> None:
+    original = planning._shared_groups
+    replace(planning, "_shared_groups", lambda rp: original(rp)[:1])

@@ -34,7 +34,8 @@ MAX_TOKENS = 6
 WAIT = 30.0  # seconds any HTTP request may take
 #: name -> (role, TP, PP, load-failure policy, KV geometry beyond SHAPE's): rows of 2 tokens
 #: (10.6.6); a sliding window of 4 tokens over the odd layers, 2 of a prompt's blocks (10.4.7);
-#: state-space odd layers (10.6.3); rows that pack every layer (3.2-R10)
+#: state-space odd layers (10.6.3); rows that pack every layer (3.2-R10), registered whole and
+#: shared by both KV-cache groups (10.6.7)
 NODES: dict[str, tuple[str, int, int, Policy, dict[str, Any]]] = {
     "p1": ("prefill", 1, 1, "fail", {}),
     "p_tp2": ("prefill", 2, 1, "fail", {}),
@@ -43,12 +44,14 @@ NODES: dict[str, tuple[str, int, int, Policy, dict[str, Any]]] = {
     "p_tp2_sw": ("prefill", 2, 1, "fail", {"sliding_window": 4}),
     "p_mamba": ("prefill", 1, 1, "fail", {"mamba": True}),
     "p_tp2_packed": ("prefill", 2, 1, "fail", {"packed_rows": True}),
+    "p_sw_opaque": ("prefill", 1, 1, "fail", {"sliding_window": 4, "opaque_rows": True}),
     "d1": ("decode", 1, 1, "fail", {}),
     "d_tp2": ("decode", 2, 1, "recompute", {}),
     "d_k2": ("decode", 1, 1, "fail", {"kernel_block_size": 2}),
     "d_sw": ("decode", 1, 1, "fail", {"sliding_window": 4}),
     "d_tp2_mamba": ("decode", 2, 1, "fail", {"mamba": True}),
     "d_packed": ("decode", 1, 1, "fail", {"packed_rows": True}),
+    "d_sw_opaque": ("decode", 1, 1, "fail", {"sliding_window": 4, "opaque_rows": True}),
 }
 
 
@@ -243,6 +246,7 @@ def test_chat_completion(cluster: Cluster) -> None:
         ("p_tp2_sw", "d_sw"),
         ("p_mamba", "d_tp2_mamba"),
         ("p_tp2_packed", "d_packed"),
+        ("p_sw_opaque", "d_sw_opaque"),
     ],
 )
 def test_disaggregated_text_equals_local(cluster: Cluster, p: str, d: str) -> None:

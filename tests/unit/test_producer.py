@@ -648,6 +648,18 @@ def test_missing_remote_pp_size(d: DPeer, p_pp: int, fingerprint: object) -> Non
     assert p.session.state_of("x1") is None
 
 
+def test_an_opaque_packed_row_is_not_a_missing_remote_pp_size() -> None:
+    """10.11.11: a D of one stage whose single region is an opaque packed row names only its
+    first layer; P does not take that for a stage that sent no remote_pp_size."""
+    p = Driver(producer(fingerprint=FP))
+    p(TransferFinished("x1", "p1", [[1]]))
+    first = d_side().regions[0]
+    whole = dataclasses.replace(first, kv_block_len=first.block_len, row_offset=0)
+    d = DPeer(side=dataclasses.replace(d_side(), regions=(whole,)), fingerprint=FP)
+    reply = only_reply(p(MessageReceived(b"i", d.pull({"r1": ("x1", [[5]])}))), b"i")
+    assert reply.err_code == ErrorCode.LAYER_ALIGNMENT, reply  # its regions are not P's
+
+
 def _packed(side: Side) -> Side:
     """``side`` with its first region an opaque packed row (row offset 0, a whole row)."""
     first = dataclasses.replace(side.regions[0], row_offset=0)
