@@ -84,10 +84,8 @@ KERNEL_BLOCKS: Final = Layout(prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE
 #: The testees of the cases of a sliding-window KV-cache group: a window of one block, of which
 #: a transfer carries the prompt's last two blocks.
 WINDOW: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE)
-#: The testee of the case of a state-space KV-cache group.
-MAMBA: Final = Layout(prefill_tp=1, mamba=True)
-#: The testee of the case of packed rows.
-PACKED: Final = Layout(prefill_tp=1, packed_rows=True)
+#: The testee of the cases of a state-space KV-cache group and of packed rows: one P for both.
+PACKED_MAMBA: Final = Layout(prefill_tp=1, mamba=True, packed_rows=True)
 #: The testee of the cases of packed rows registered whole, one region both KV-cache groups of a
 #: sliding-window model share.
 OPAQUE: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE, opaque_rows=True)
@@ -101,8 +99,8 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.4/4": WINDOW,
     "consumer/10.4/1": WINDOW,
     "consumer/10.10/5": WINDOW,
-    "producer/10.6/3": MAMBA,
-    "producer/10.7/3": PACKED,
+    "producer/10.6/3": PACKED_MAMBA,
+    "producer/10.7/3": PACKED_MAMBA,
     "producer/10.6/4": OPAQUE,
     "producer/10.2/4": OPAQUE,
 }
