@@ -369,18 +369,15 @@ async def run_self(
 ) -> list[Result]:
     """Every case of ``cases`` against the reference testees, ``mutant`` in the one of its
     role; the results in the order of ``cases``. The suites that start testees of their own
-    (``BESIDE``) run beside the others and each other: most of their time is waiting for those
-    to start."""
+    (``BESIDE``) run beside the others: most of their time is waiting for those to start."""
     role = testees.mutants()[mutant].role if mutant else ""
     own = Testbed(mutant=mutant, mutant_role=role)
-    beside = [[c for c in cases if c.suite is suite] for suite in sorted(BESIDE)]
-    alongside = asyncio.gather(
-        *(run_suites(own, mine, options, on_result, timeout) for mine in beside if mine)
-    )
+    beside = [c for c in cases if c.suite in BESIDE]
+    alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
         results = await _run_layouts(mutant, role, rest, options, on_result, timeout)
-        results += [r for suite in await alongside for r in suite]
+        results += await alongside
     finally:
         if not alongside.done():
             alongside.cancel()
