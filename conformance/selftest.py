@@ -79,11 +79,12 @@ PARALLEL: Final = Layout(prefill_tp=1, prefill_pp=2, decode_tp=2)
 REPLICATED: Final = Layout(kv_heads=1)
 #: The testee of the case of a ready wait that restarts: a P whose prefill takes T/2.
 SLOW_PREFILL: Final = Layout(prefill_tp=1, abort_timeout=3.0, prefill_delay=1.5)
-#: The testee of the case of block ids that stand for kernel blocks: rows of half a block.
-KERNEL_BLOCKS: Final = Layout(prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE // 2)
-#: The testees of the cases of a sliding-window KV-cache group: a window of one block, of which
-#: a transfer carries the prompt's last two blocks.
-WINDOW: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE)
+#: The testees of the case of block ids that stand for kernel blocks (rows of half a block) and
+#: of the cases of a sliding-window KV-cache group (a window of one block, of which a transfer
+#: carries the prompt's last two blocks): one layout for both, so that they share one start.
+KERNEL_WINDOW: Final = Layout(
+    prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE // 2, sliding_window=testees.BLOCK_SIZE
+)
 #: The testee of the cases of a state-space KV-cache group and of packed rows: one P for both.
 PACKED_MAMBA: Final = Layout(prefill_tp=1, mamba=True, packed_rows=True)
 #: The testee of the cases of packed rows registered whole, one region both KV-cache groups of a
@@ -95,10 +96,10 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "consumer/10.1/2": PARALLEL,
     "producer/10.8/5": REPLICATED,
     "producer/6.3/3": SLOW_PREFILL,
-    "producer/10.6/2": KERNEL_BLOCKS,
-    "producer/10.4/4": WINDOW,
-    "consumer/10.4/1": WINDOW,
-    "consumer/10.10/5": WINDOW,
+    "producer/10.6/2": KERNEL_WINDOW,
+    "producer/10.4/4": KERNEL_WINDOW,
+    "consumer/10.4/1": KERNEL_WINDOW,
+    "consumer/10.10/5": KERNEL_WINDOW,
     "producer/10.6/3": PACKED_MAMBA,
     "producer/10.7/3": PACKED_MAMBA,
     "producer/10.6/4": OPAQUE,
