@@ -5,6 +5,8 @@ packed row stays a slice when a layer of its row was skipped (§10.7.8)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pdwire import error_strings
 
 from ..case import Unsupported, case
@@ -21,6 +23,22 @@ def first_region_packed(worker: DWorker) -> list[int]:
     return [0] + [-1] * (len(worker.regions) - 1)
 
 
+async def _expect_refused_across_pp(
+    t: ProducerCtx, what: str, row_offsets: Callable[[DWorker], list[int]]
+) -> None:
+    """A pull of a D of one PP stage more than P, its row offsets ``row_offsets`` of it, gets
+    ERROR with message #2 from every P worker it pulls."""
+    d_pp = t.p_pp + 1
+    stage = t.worker(t.p_tp, 0, d_pp, 0)
+    await expect_error(
+        t,
+        stage,
+        f"{what}, from a D of PP {d_pp}",
+        error_strings.PP_PACKED_ROWS.format(p_pp_size=t.p_pp, d_pp_size=d_pp),
+        registered_row_offsets=row_offsets(stage),
+    )
+
+
 @case(
     "producer/10.2/2",
     "10.2.8",
@@ -31,15 +49,7 @@ async def packed_rows_across_pp_sizes(t: ProducerCtx) -> None:
     """A D of one PP stage more than P whose first region is an opaque packed row gets ERROR
     with message #2 from every P worker it pulls; the same layout from a D of P's PP size is
     served, every block written."""
-    d_pp = t.p_pp + 1
-    stage = t.worker(t.p_tp, 0, d_pp, 0)
-    await expect_error(
-        t,
-        stage,
-        f"an opaque packed row from a D of PP {d_pp}",
-        error_strings.PP_PACKED_ROWS.format(p_pp_size=t.p_pp, d_pp_size=d_pp),
-        registered_row_offsets=first_region_packed(stage),
-    )
+    await _expect_refused_across_pp(t, "an opaque packed row", first_region_packed)
     workers = t.d_workers(d_pp=t.p_pp)
     offsets = {tuple(first_region_packed(w)) for w in workers}
     if len(offsets) == 1:
@@ -56,15 +66,7 @@ async def own_opaque_rows_across_pp_sizes(t: ProducerCtx) -> None:
     PP stage more, though D's own regions are no packed rows."""
     if not t.geometry.opaque_rows:
         raise Unsupported("P's rows are not registered whole (give --opaque-rows when they are)")
-    d_pp = t.p_pp + 1
-    stage = t.worker(t.p_tp, 0, d_pp, 0)
-    await expect_error(
-        t,
-        stage,
-        f"a D of PP {d_pp} without packed rows",
-        error_strings.PP_PACKED_ROWS.format(p_pp_size=t.p_pp, d_pp_size=d_pp),
-        registered_row_offsets=[-1] * len(stage.regions),
-    )
+    await _expect_refused_across_pp(t, "no packed rows", lambda w: [-1] * len(w.regions))
 
 
 @case("producer/10.7/3", "10.7.8", covers=("10.7.6",), caught_by=("widens-packed-rows",))
