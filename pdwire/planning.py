@@ -185,7 +185,8 @@ def clip_window(blocks: Sequence[_T], window: int, block_size: int) -> Sequence[
 
 
 def has_opaque_packed_row(regions: Sequence[Region]) -> bool:
-    """Whether a region is a whole packed row under its first layer name (3.2-R10, 10.2.8)."""
+    """Whether one of ``regions`` is an opaque packed row: a whole row at offset 0, registered
+    under its first layer name (3.2-R10, 10.2.8)."""
     return any(r.row_offset == 0 and r.kv_block_len == r.block_len for r in regions)
 
 
@@ -628,9 +629,9 @@ def descriptors(
 
     ``src_blocks``: P's block ids per KV-cache group; ``dst_blocks``: D's, from the pull. In
     ``plan.mamba_groups`` both sides' null blocks are left out first (10.6.3). With
-    ``plan.kernel_blocks`` q above 1, each selected id
-    ``b`` of both sides stands for the region rows ``b*q ... b*q+q-1`` (10.6.6). A release-only
-    request (no D blocks) gives no descriptors. Descriptors go region by region in plan order,
+    ``plan.kernel_blocks`` q above 1, each selected id ``b`` of both sides stands for the region
+    rows ``b*q ... b*q+q-1`` (10.6.6). A release-only request (no D blocks) gives no
+    descriptors. Descriptors go region by region in plan order,
     blocks in order; regions that do not write (10.8.7) give none."""
     if _release_only(dst_blocks):
         return Descriptors.empty()

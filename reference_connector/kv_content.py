@@ -115,8 +115,9 @@ class KVShape:
 
     def table_sizes(self, prompt_tokens: int, tokens: int) -> tuple[list[int], list[int]]:
         """(blocks per KV-cache group, each group's first block) of a request of
-        ``prompt_tokens`` that may grow to ``tokens``: a sliding-window group holds only the
-        prompt's last blocks it keeps (10.4.7), and every block after them."""
+        ``prompt_tokens`` that may grow to ``tokens``: a sliding-window or state-space group
+        holds only the prompt's last blocks it keeps (10.4.7, 10.6.3), and every block after
+        them."""
         firsts = self.geometry().firsts(self.blocks_for(prompt_tokens))
         return [self.blocks_for(tokens) - f for f in firsts], firsts
 
@@ -124,7 +125,8 @@ class KVShape:
 @dataclasses.dataclass(frozen=True)
 class BlockTable:
     """A request's block ids per KV-cache group. ``firsts[g]``: which of the request's blocks
-    group ``g``'s first id holds (0, or in a sliding-window group the first block it kept)."""
+    group ``g``'s first id holds (0, or the first block a sliding-window or state-space group
+    kept)."""
 
     ids: tuple[tuple[int, ...], ...]
     firsts: tuple[int, ...]

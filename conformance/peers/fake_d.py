@@ -173,7 +173,9 @@ class DWorker:
         """The block lists of a pull for a request held in ``blocks``, one per KV-cache group:
         every group uses the same ids, a sliding-window group only the last ones it keeps
         (10.4.7), a state-space group only the last, after a null block for each other
-        (10.6.3). Each group's regions are layers of their own, so the ids do not collide."""
+        (10.6.3). Each group's regions are layers of their own, so the ids do not collide; a
+        region both groups share takes the ids of each, which then must differ (its case takes
+        them itself)."""
         g = self.geometry
         if g.sliding_window is not None:
             return [list(blocks), list(clip_window(blocks, g.sliding_window, g.block_size))]
