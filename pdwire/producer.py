@@ -460,8 +460,6 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         """§10.11.11: a D stage that holds part of the model but says it has one stage."""
         if msg.remote_pp_size != 1 or not msg.registered_layer_names:
             return None
-        if has_opaque_packed_row(regions_of_pull(msg)):
-            return None  # its layer names do not count the layers it holds
         fp, side = self.config.fingerprint, self.config.side
         total = fp.num_layers if fp else None
         if total is None and side.pp_size == 1:
@@ -469,6 +467,8 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         registered = len(set(msg.registered_layer_names))
         if total is None or registered >= total:
             return None
+        if has_opaque_packed_row(regions_of_pull(msg)):
+            return None  # its layer names do not count the layers it holds
         message = msgs.MISSING_REMOTE_PP_SIZE.format(registered=registered, total=total)
         return ErrorCode.MISSING_REMOTE_PP_SIZE, message, Status.ERROR
 

@@ -38,11 +38,12 @@ class KVPool:
         self.tp_size, self.tp_rank, self.pp_size, self.pp_rank = tp_size, tp_rank, pp_size, pp_rank
         self.layers = shape.layers(pp_size, pp_rank)
         self.heads = shape.heads(tp_size, tp_rank)
-        self.q = shape.geometry().kernel_blocks
+        geometry = shape.geometry()
+        self.q = geometry.kernel_blocks
         rows, heads = shape.num_blocks * self.q, len(self.heads)
         row_tokens = shape.block_size // self.q
         cell = (heads, row_tokens, shape.head_dim)
-        if shape.geometry().packs_rows:  # a block is one row of every layer: [rows, layers, ...]
+        if geometry.packs_rows:  # a block is one row of every layer: [rows, layers, ...]
             self.storage = torch.zeros((rows, len(self.layers), 2, *cell), dtype=shape.torch_dtype)
             self.kv = self.storage.permute(1, 2, 0, 3, 4, 5)
         else:
@@ -50,14 +51,10 @@ class KVPool:
             self.kv = self.storage
         self._words = self.kv.view(torch.int16)
         self.words: Words = self._words.numpy()
-        geometry = shape.geometry()
         self.num_groups = geometry.num_groups
         self.mamba_groups = geometry.mamba_groups  # whose lists hold null blocks (10.6.3)
         #: per KV-cache group, its layers: positions on the pool's layer axis, and as an index
-        self._group_layers = [
-            [i for i, layer in enumerate(self.layers) if geometry.group_of(layer) == g]
-            for g in range(self.num_groups)
-        ]
+        self._group_layers = geometry.group_layers(self.layers)
         self._layers: list[Any] = [
             slice(None) if self.num_groups == 1 else torch.tensor(chosen)
             for chosen in self._group_layers

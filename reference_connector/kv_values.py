@@ -102,10 +102,13 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
     digest = ContextDigest(len(layers), len(heads))
     geometry = shape.geometry()
     # each KV-cache group hashes the blocks it holds (a sliding window's: from its first, 10.4.7)
-    groups = [
-        ([layer for layer in layers if geometry.group_of(layer) == g], first)
-        for g, first in enumerate(geometry.firsts(shape.blocks_for(len(ids))))
-    ]
+    groups = list(
+        zip(
+            geometry.group_layers(layers),
+            geometry.firsts(shape.blocks_for(len(ids))),
+            strict=True,
+        )
+    )
 
     def update(start: int, end: int) -> None:
         for chosen, first in groups:

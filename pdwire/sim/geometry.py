@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Final
 
 from ..messages import Fingerprint
@@ -70,6 +71,13 @@ class Geometry:
 
     def group_of(self, layer: int) -> int:
         return layer % 2 if self.num_groups == 2 else 0
+
+    def group_layers(self, layers: Sequence[int]) -> list[list[int]]:
+        """Per KV-cache group, the positions in ``layers`` of the layers it holds."""
+        return [
+            [i for i, layer in enumerate(layers) if self.group_of(layer) == g]
+            for g in range(self.num_groups)
+        ]
 
     def firsts(self, prompt_blocks: int) -> list[int]:
         """Per group, the first of a prompt's blocks it keeps: all of them; in a sliding-window
