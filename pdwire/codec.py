@@ -18,6 +18,7 @@ from . import sections
 from .errors import DecodeError, LocalProtocolError, PeerCannotDecode
 from .legacy import FLAT_BLOCK_LISTS, upgrade_pull
 from .messages import (
+    LeaseHeartbeat,
     XferCancel,
     XferMetadata,
     XferMetadataV2,
@@ -35,6 +36,7 @@ _encoder: Final = msgspec.msgpack.Encoder()
 _pull_decoder: Final = msgspec.msgpack.Decoder(XferMetadataV2)
 _response_decoder: Final = msgspec.msgpack.Decoder(XferResponseV2)
 _cancel_decoder: Final = msgspec.msgpack.Decoder(XferCancel)
+_heartbeat_decoder: Final = msgspec.msgpack.Decoder(LeaseHeartbeat)
 _any_decoder: Final = msgspec.msgpack.Decoder()
 
 _UPGRADED_BLOCKS: Final = "$.req_blocks[...][1][0]"
@@ -59,6 +61,7 @@ KIND_SECTIONS: Final = {
     "pull": sections.PULL,
     "response": sections.RESPONSE,
     "cancel": sections.CANCEL,
+    "heartbeat": sections.HEARTBEAT,
 }
 _FIELD_SECTIONS: Final = {"status": sections.STATUS, "fingerprint": sections.FINGERPRINT}
 
@@ -120,6 +123,17 @@ def encode_cancel(msg: XferCancel, profile: Profile | Agreement = PDWIRE_2) -> b
     return _encoder.encode(msg)
 
 
+def encode_heartbeat(msg: LeaseHeartbeat, profile: Profile | Agreement = LEGACY) -> bytes:
+    """Encode a lease renewal: vLLM 0.34's exact bytes under either profile, as it has no pdwire/2
+    field; a P older than vLLM 0.34 answers it with ERROR (§3.9)."""
+    if not isinstance(msg, LeaseHeartbeat):
+        raise LocalProtocolError(
+            f"expected LeaseHeartbeat, got {type(msg).__name__}", section=sections.HEARTBEAT
+        )
+    _raise_local(_check_heartbeat(msg), sections.HEARTBEAT)
+    return _encoder.encode(msg)
+
+
 def encode_canonical(msg: XferMetadata | XferResponse | XferCancel) -> bytes:
     """The bytes an authentication tag covers (§8.6): the message without ``auth_tag``, fields in
     declaration order, defaults omitted, every header and integer in its shortest form."""
@@ -171,20 +185,39 @@ def decode_cancel(
     return msg
 
 
+def decode_heartbeat(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> LeaseHeartbeat:
+    """Decode a lease renewal (vLLM 0.34)."""
+    msg = _decode(_heartbeat_decoder, data, max_size, "heartbeat")
+    _raise_decode(_check_heartbeat(msg), "heartbeat")
+    return msg
+
+
+#: Each kind by the key that tells it apart (3.1-R7), in the order they are looked for.
+_KIND_KEYS: Final = (
+    ("cancel_reqs", "cancel"),
+    ("lease_transfer_ids", "heartbeat"),
+    ("req_blocks", "pull"),
+    ("status", "response"),
+)
+
+
 def detect_kind(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> str:
-    """Which message ``data`` holds, from its keys: ``pull``, ``response`` or ``cancel``."""
+    """Which message ``data`` holds, from its keys: ``pull``, ``response``, ``cancel`` or
+    ``heartbeat``."""
     obj = _decode(_any_decoder, data, max_size, "message")
     if not isinstance(obj, dict):
         raise DecodeError(
             f"expected a map, got {type(obj).__name__}", section=sections.ENCODING, kind="message"
         )
-    for key, kind in (("cancel_reqs", "cancel"), ("req_blocks", "pull"), ("status", "response")):
+    for key, kind in _KIND_KEYS:
         if key in obj:
             return kind
     raise DecodeError(
-        "not a side-channel message: none of the keys req_blocks, status, cancel_reqs",
+        "not a side-channel message: none of the keys " + ", ".join(key for key, _ in _KIND_KEYS),
         section=sections.ENCODING,
         kind="message",
     )
@@ -192,14 +225,19 @@ def detect_kind(
 
 def decode_message(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
-) -> tuple[str, XferMetadataV2 | XferResponseV2 | XferCancel]:
+) -> tuple[str, XferMetadataV2 | XferResponseV2 | XferCancel | LeaseHeartbeat]:
     """Detect the kind of ``data`` and decode it: a wire inspector's entry point."""
     kind = detect_kind(data, max_size=max_size)
-    if kind == "pull":
-        return kind, decode_pull(data, max_size=max_size)
-    if kind == "response":
-        return kind, decode_response(data, max_size=max_size)
-    return kind, decode_cancel(data, max_size=max_size)
+    return kind, DECODERS[kind](data, max_size=max_size)
+
+
+#: The decoder of each message kind.
+DECODERS: Final[dict[str, Callable[..., Any]]] = {
+    "pull": decode_pull,
+    "response": decode_response,
+    "cancel": decode_cancel,
+    "heartbeat": decode_heartbeat,
+}
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: Any, max_size: int, kind: str) -> T:
@@ -329,6 +367,13 @@ def _check_cancel(m: XferCancel) -> Problem:
             "$.remote_pp_rank",
             f"PP rank {m.remote_pp_rank} is not below PP size {m.remote_pp_size}",
         )
+    return None
+
+
+def _check_heartbeat(m: LeaseHeartbeat) -> Problem:
+    if not m.lease_transfer_ids:
+        # vLLM 0.34 takes a map without ids for a pull, and fails it as one.
+        return "$.lease_transfer_ids", "a heartbeat names at least one transfer_id"
     return None
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, Final
 
 from . import auth, sections
-from .codec import decode_response, encode_cancel, encode_pull
+from .codec import decode_response, encode_cancel, encode_heartbeat, encode_pull
 from .errors import DecodeError, LocalProtocolError, RemoteProtocolError
 from .events import (
     AbortRequested,
@@ -23,17 +23,26 @@ from .events import (
     ConsumerInput,
     ConsumerOutput,
     EngineResolved,
+    LeaseRejected,
     LoadRequest,
     LoadsRequested,
     QueryBootstrap,
     ReplyReceived,
     RequestFailed,
     RequestLoaded,
+    RequestQueued,
     SendPull,
     TimePassed,
 )
 from .http_models import EngineEntry
-from .messages import ErrorCode, Fingerprint, XferCancel, XferMetadata, XferMetadataV2
+from .messages import (
+    ErrorCode,
+    Fingerprint,
+    LeaseHeartbeat,
+    XferCancel,
+    XferMetadata,
+    XferMetadataV2,
+)
 from .messages import XferResponseStatus as Status
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
 from .planning import Side, layout_of, target_ranks
@@ -69,7 +78,13 @@ class ConsumerConfig:
     layout_id: int = 0  # nonzero: omit the layout once a P worker echoed it (§3.7)
     receive_timeout: float = RECEIVE_TIMEOUT
     deadline: float = LOAD_DEADLINE
+    #: vLLM 0.34's ``kv_lease_duration``: renew P's lease every lease/6 s (§6.4); None = never.
+    lease: float | None = None
     auth_key: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.lease is not None and not self.lease > 0:
+            raise ValueError(f"kv_lease_duration must be positive, got {self.lease}.")
 
 
 @dataclasses.dataclass(slots=True)
@@ -93,12 +108,14 @@ class _Pull:
     agreement: Agreement
     receive_until: float
     cancel: bool = False
+    heartbeat: bool = False
 
 
 class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     """One D worker's protocol state: the engines it knows, its pulls, its loading requests."""
 
     HANDLERS: ClassVar[Mapping[type, str]] = {
+        RequestQueued: "_on_queued",
         LoadsRequested: "_on_loads",
         EngineResolved: "_on_engine",
         ReplyReceived: "_on_reply",
@@ -117,6 +134,11 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         self._peers: dict[str, Offer] = {}  # what each P worker showed of its version
         self._acked: set[str] = set()  # P workers that echoed our layout_id
         self._due: list[_Load] = []  # loads whose deadline fired in this handle
+        # Requests whose lease D renews (§6.4), from arrival until the load settles:
+        self._leases: dict[str, RequestQueued] = {}
+        self._heartbeat_at: float | None = None  # when the next renewal is due, if armed
+        self._last_heartbeat = float("-inf")
+        self._renewal_owed: set[str] = set()  # engines to renew once their query answers
         self._layout = self._layout_fields()
 
     # -- public ------------------------------------------------------------------------------
@@ -136,6 +158,11 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     @property
     def loading(self) -> int:
         return len(self._loads)
+
+    @property
+    def leases(self) -> int:
+        """Requests whose lease D renews now."""
+        return len(self._leases)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -158,6 +185,14 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             seen.add(req.d_req_id)
         by_engine: dict[str, list[LoadRequest]] = defaultdict(list)
         for req in ev.requests:
+            if any(req.blocks):
+                self._lease(
+                    RequestQueued(req.d_req_id, req.transfer_id, req.engine_id, req.bootstrap_addr),
+                    now,
+                    keep=True,
+                )
+            else:  # a release-only pull settles P's side: nothing left to renew
+                self._leases.pop(req.d_req_id, None)
             load = self._loads[req.d_req_id] = _Load(req)
             if self.config.profile == PDWIRE_2:
                 budget = req.deadline_ms / 1000 if req.deadline_ms > 0 else self.config.deadline
@@ -179,12 +214,16 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         addr = reqs[0].bootstrap_addr if reqs else ""
         problem = ev.error or self._entry_problem(ev.engine_id, ev.entry, addr)
         if problem or ev.entry is None:
+            self._renewal_owed.discard(ev.engine_id)
             for req in reqs:
                 load = self._loads.get(req.d_req_id)
                 if load is not None:
                     self._finish(load, (ErrorCode.INTERNAL, problem or "no entry"))
             return
         self._engines[ev.engine_id] = ev.entry
+        if ev.engine_id in self._renewal_owed:
+            self._renewal_owed.discard(ev.engine_id)
+            self._renew(ev.engine_id, now)
         live = [r for r in reqs if r.d_req_id in self._loads]
         if live:
             self._start_pulls(ev.engine_id, live, now)
@@ -317,6 +356,11 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         if pull.cancel:
             self._on_cancel_reply(pull, reply.ok_reqs or [])
             return
+        if pull.heartbeat:
+            self._close(pull)
+            if reply.status is Status.ERROR:
+                self._out.append(LeaseRejected(pull.addr, reply.err_msg or "renewal refused"))
+            return
         if reply.status is Status.LAYOUT_MISS:
             self._acked.discard(pull.addr)
             if pull.with_layout:
@@ -387,6 +431,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         d_req = load.req.d_req_id
         self._move(load, LE.ALL_SETTLED_FAILED if failure else LE.ALL_LOADED)
         del self._loads[d_req]
+        self._leases.pop(d_req, None)
         if not any(load.req.blocks):
             return  # release-only: never reported (§10.10.9)
         if load.reported:
@@ -401,6 +446,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     # -- giving up: deadline, abort, cancel (pdwire/2) ----------------------------------------
 
     def _on_abort(self, ev: AbortRequested, now: float) -> None:
+        self._leases.pop(ev.d_req_id, None)
         load = self._loads.get(ev.d_req_id)
         if load is None:
             return
@@ -419,6 +465,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 continue
             load.reported = True
             load.failure = load.failure or (code, reason)
+            self._leases.pop(load.req.d_req_id, None)  # D wants the KV no more
             if load.state is L.PULLING:
                 self._move(load, LE.DEADLINE)
             if any(load.req.blocks):
@@ -482,7 +529,9 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     # -- timers ------------------------------------------------------------------------------
 
     def _timer_live(self, entry: Timer) -> bool:
-        _, _, kind, what = entry
+        when, _, kind, what = entry
+        if kind == "heartbeat":
+            return self._heartbeat_at == when
         if kind == "deadline":
             load = self._loads.get(what)
             return load is not None and not load.reported
@@ -490,7 +539,9 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         return pull is not None and pull.receive_until == what[1]
 
     def _fire(self, entry: Timer, now: float) -> None:
-        if entry[2] == "deadline":
+        if entry[2] == "heartbeat":
+            self._on_heartbeat_due(now)
+        elif entry[2] == "deadline":
             load = self._loads[entry[3]]
             if load.state is L.RESOLVING:
                 self._drop_waiting(load)
@@ -517,10 +568,66 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     def _forget_engine_of(self, pull: _Pull) -> None:
         """P did not answer in time: it may have restarted on new ports, so the next request for
         its engine queries the bootstrap again (4.2-R12). Legacy D's cache for good, as vLLM."""
-        if self.config.profile == PDWIRE_2 and not pull.cancel:
+        if self.config.profile == PDWIRE_2 and not (pull.cancel or pull.heartbeat):
             self._engines.pop(pull.engine_id, None)
             self._peers.pop(pull.addr, None)
             self._acked.discard(pull.addr)
+
+    # -- lease renewal (vLLM 0.34, §6.4) -------------------------------------------------------
+
+    def _on_queued(self, ev: RequestQueued, now: float) -> None:
+        self._lease(ev, now, keep=False)
+
+    def _lease(self, req: RequestQueued, now: float, *, keep: bool) -> None:
+        """Renew ``req``'s lease from now on; ``keep``: unless it is renewed already."""
+        if self.config.lease is None or (keep and req.d_req_id in self._leases):
+            return
+        self._leases[req.d_req_id] = req
+        if self._heartbeat_at is None:
+            self._heartbeat_at = max(now, self._last_heartbeat + self.config.lease / 6)
+            self._push(self._heartbeat_at, "heartbeat", None)
+
+    def _on_heartbeat_due(self, now: float) -> None:
+        """One renewal per P engine, naming every transfer D still waits for from it, to each
+        P worker D pulls from; an engine not known yet is queried first."""
+        assert self.config.lease is not None
+        self._heartbeat_at = None
+        if not self._leases:
+            return
+        self._last_heartbeat = now
+        for engine_id, first in {r.engine_id: r for r in self._leases.values()}.items():
+            if engine_id in self._engines:
+                self._renew(engine_id, now)
+                continue
+            self._renewal_owed.add(engine_id)
+            if engine_id not in self._waiting:
+                self._out.append(QueryBootstrap(engine_id, first.bootstrap_addr))
+                self._waiting[engine_id] = []
+        self._heartbeat_at = now + self.config.lease / 6
+        self._push(self._heartbeat_at, "heartbeat", None)
+
+    def _renew(self, engine_id: str, now: float) -> None:
+        assert self.config.lease is not None
+        ids = [r.transfer_id for r in self._leases.values() if r.engine_id == engine_id]
+        if not ids:
+            return
+        msg = LeaseHeartbeat(lease_transfer_ids=ids)
+        data = encode_heartbeat(msg)
+        for addr in self._targets(self._engines[engine_id]):
+            pull = _Pull(
+                pull_id=next(self._ids),
+                addr=addr,
+                engine_id=engine_id,
+                reqs={},
+                with_layout=False,
+                announced=False,
+                agreement=negotiate("D", self._offer, LEGACY_PEER),
+                receive_until=now + self.config.lease / 6,
+                heartbeat=True,
+            )
+            self._pulls[pull.pull_id] = pull
+            self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
+            self._out.append(SendPull(pull.pull_id, addr, msg, data))
 
     def _drop_waiting(self, load: _Load) -> None:
         # By id: an abort while resolving replaced ``load.req`` with a release-only copy.

@@ -1,5 +1,5 @@
 """Every ``err_msg`` string P sends and every bootstrap error detail (spec §4.1, §7.1, §7.2),
-with the placeholders the spec names. Legacy strings are vLLM 0.33's, verbatim: deployed D's and
+with the placeholders the spec names. Legacy strings are vLLM 0.34's, verbatim: deployed D's and
 log scrapers match on them."""
 
 from typing import Final
@@ -58,11 +58,13 @@ READY_TIMEOUT: Final = "Timeout waiting for P side ready."
 KV_GROUP_COUNT_MISMATCH: Final = "KV group count mismatch"
 P_BLOCKS_LESS_THAN_D: Final = "P num blocks less than D"
 ENGINE_RETURNED: Final = "Mooncake transfer engine returned {ret}"
+# vLLM 0.34: a pull for a transfer P expired, and a renewal sent to a P without a lease (§3.9).
+EXPIRED: Final = "KV expired on P side before the pull."
+LEASE_NOT_SET: Final = "kv_lease_duration is not set on this prefill instance."
 
 # -- pdwire/2 (§7.2); WILL_NOT_SEND also goes to legacy D's, with FINISH and err_reqs -----------
 WILL_NOT_SEND: Final = "Prefill will not send KV for this request."
 CANCELLED: Final = "Request cancelled by the consumer."
-EXPIRED: Final = "Request expired before sending on P side."
 DEADLINE_EXCEEDED: Final = "Consumer deadline exceeded."
 DUPLICATE_TRANSFER_ID: Final = "Duplicate transfer_id {transfer_id}."
 FINGERPRINT_MISMATCH: Final = "Compatibility fingerprint mismatch in {fields}."

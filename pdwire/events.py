@@ -11,7 +11,7 @@ import dataclasses
 import enum
 
 from .http_models import EngineEntry
-from .messages import ErrorCode, XferCancel, XferMetadata, XferResponse
+from .messages import ErrorCode, LeaseHeartbeat, XferCancel, XferMetadata, XferResponse
 from .planning import Descriptors
 
 # -- producer (P worker) inputs --------------------------------------------------------------
@@ -75,6 +75,17 @@ class LoadRequest:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RequestQueued:
+    """D received a request whose KV a P holds for it: from now until its load settles, D renews
+    P's lease on it (§6.4), also while the request still waits in D's queue."""
+
+    d_req_id: str
+    transfer_id: str
+    engine_id: str
+    bootstrap_addr: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class LoadsRequested:
     """D's scheduler asks to load these requests (one engine step's batch)."""
 
@@ -118,7 +129,9 @@ ProducerInput = (
     | WriteCompleted
     | TimePassed
 )
-ConsumerInput = LoadsRequested | EngineResolved | ReplyReceived | AbortRequested | TimePassed
+ConsumerInput = (
+    RequestQueued | LoadsRequested | EngineResolved | ReplyReceived | AbortRequested | TimePassed
+)
 
 # -- outputs ---------------------------------------------------------------------------------
 
@@ -179,12 +192,12 @@ class QueryBootstrap:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SendPull:
-    """D: open a new DEALER to ``addr`` and send ``data`` (a pull or a cancel) as one frame;
-    deliver its replies as ``ReplyReceived(pull_id, ...)``."""
+    """D: open a new DEALER to ``addr`` and send ``data`` (a pull, a cancel or a heartbeat) as
+    one frame; deliver its replies as ``ReplyReceived(pull_id, ...)``."""
 
     pull_id: int
     addr: str
-    message: XferMetadata | XferCancel
+    message: XferMetadata | XferCancel | LeaseHeartbeat
     data: bytes
 
 
@@ -220,7 +233,22 @@ class BlocksReleased:
     d_req_id: str
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LeaseRejected:
+    """D: the P worker at ``addr`` refused a lease renewal (it has no lease, or predates vLLM
+    0.34): its blocks expire on its own timer. Worth a warning: D and P should share a lease."""
+
+    addr: str
+    reason: str
+
+
 ProducerOutput = SendReply | StartWrite | FreeBlocks | RejectRequest
 ConsumerOutput = (
-    QueryBootstrap | SendPull | ClosePull | RequestLoaded | RequestFailed | BlocksReleased
+    QueryBootstrap
+    | SendPull
+    | ClosePull
+    | RequestLoaded
+    | RequestFailed
+    | BlocksReleased
+    | LeaseRejected
 )

@@ -24,6 +24,7 @@ from pydantic import Field
 V0: Final = "legacy (vLLM <= 0.14)"
 V_LEGACY: Final = "legacy (vLLM 0.32)"
 V033: Final = "legacy (vLLM 0.33)"
+V034: Final = "legacy (vLLM 0.34)"
 V2: Final = "pdwire/2"
 
 
@@ -234,4 +235,14 @@ class XferCancel(msgspec.Struct, omit_defaults=True):
     ] = None
 
 
-Message = XferMetadata | XferResponse | XferCancel
+class LeaseHeartbeat(msgspec.Struct, omit_defaults=True):
+    """D renews P's lease on transfers it has not pulled yet, D -> P (§3.9). Exactly vLLM 0.34's
+    ``MooncakeLeaseHeartbeat``; P answers with one ``XferResponse``."""
+
+    lease_transfer_ids: Annotated[
+        list[str],
+        _doc("The transfer_ids whose lease D renews; never empty on the wire.", V034),
+    ] = msgspec.field(default_factory=list)
+
+
+Message = XferMetadata | XferResponse | XferCancel | LeaseHeartbeat

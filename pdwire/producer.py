@@ -16,7 +16,7 @@ import msgspec
 
 from . import auth, sections
 from . import error_strings as msgs
-from .codec import decode_cancel, decode_pull, encode_response
+from .codec import decode_cancel, decode_heartbeat, decode_pull, encode_response
 from .errors import DecodeError, LocalProtocolError, RemoteProtocolError
 from .events import (
     FreeBlocks,
@@ -58,6 +58,7 @@ S, E = TransferState, TransferEvent
 ABORT_REQUEST_TIMEOUT: Final = 480.0
 MAX_PEER_LAYOUTS: Final = 1024
 _CANCEL_KEY: Final = b"\xabcancel_reqs"  # the key as msgpack writes it: fixstr of 11 bytes
+_LEASE_KEY: Final = b"\xb2lease_transfer_ids"  # fixstr of 18 bytes
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 
@@ -75,8 +76,15 @@ class ProducerConfig:
     caps: frozenset[str] = ALL_CAPS
     fingerprint: Fingerprint | None = None
     abort_timeout: float = ABORT_REQUEST_TIMEOUT
+    #: vLLM 0.34's ``kv_lease_duration``: a finished transfer is held this long, renewals move
+    #: it on (§6.4); None holds it for ``abort_timeout`` and refuses renewals.
+    lease: float | None = None
     auth_key: bytes | None = None
     max_message_bytes: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.lease is not None and not self.lease > 0:
+            raise ValueError(f"kv_lease_duration must be positive, got {self.lease}.")
 
 
 @dataclasses.dataclass(slots=True)
@@ -231,7 +239,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         self._reset_if_done(t)
         self._move(t, E.FINISHED)
         t.p_req_id, t.blocks = ev.p_req_id, ev.blocks
-        t.expire_at = now + self.config.abort_timeout
+        t.expire_at = now + (self.config.lease or self.config.abort_timeout)
         self._push(t.expire_at, "transfer", t.transfer_id)
         if t.need_send and len(t.settled) >= t.need_send:  # every pull was cancelled already
             self._settle_all(t, FreeReason.CANCELLED)
@@ -300,14 +308,23 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
     # -- messages ----------------------------------------------------------------------------
 
     def _on_message(self, ev: MessageReceived, now: float) -> None:
-        """A pull, or a cancel: a map with the key cancel_reqs (3.1-R7). Pulls are the common
-        case, so they are decoded first and the key is looked for only when that fails."""
+        """A pull, a heartbeat or a cancel, told apart by their keys (3.1-R7). Pulls are the
+        common case, so they are decoded first and the keys are looked for only when that
+        fails."""
         limit = self.config.max_message_bytes
         try:
             pull = decode_pull(ev.data, max_size=limit)
         except DecodeError as exc:
             error = exc
-            if _CANCEL_KEY in ev.data:
+            if _LEASE_KEY in ev.data:
+                try:
+                    heartbeat = decode_heartbeat(ev.data, max_size=limit)
+                except DecodeError as heartbeat_error:
+                    error = heartbeat_error
+                else:
+                    self._on_heartbeat(ev.identity, heartbeat.lease_transfer_ids, now)
+                    return
+            elif _CANCEL_KEY in ev.data:
                 try:
                     cancel = decode_cancel(ev.data, max_size=limit)
                 except DecodeError as cancel_error:
@@ -651,6 +668,24 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             if t is not None:
                 t.waiting.discard(pull.key)
         del self._pulls[pull.key]
+
+    # -- lease (vLLM 0.34, §3.9, §6.4) --------------------------------------------------------
+
+    def _on_heartbeat(self, identity: bytes, transfer_ids: list[str], now: float) -> None:
+        """Renew the lease of each named transfer whose blocks P holds. A renewal never makes a
+        transfer: one P does not hold yet gets its lease when it finishes, one P freed stays
+        freed."""
+        lease = self.config.lease
+        if lease is None:
+            self._reply_error(identity, None, ErrorCode.BAD_MESSAGE, msgs.LEASE_NOT_SET)
+            return
+        renewed_until = now + lease * 2 / 3
+        for transfer_id in transfer_ids:
+            t = self._transfers.get(transfer_id)
+            if t is not None and t.state is S.READY and t.expire_at < renewed_until:
+                t.expire_at = renewed_until
+                self._push(t.expire_at, "transfer", t.transfer_id)
+        self._reply(identity, None, Reply(Status.FINISH))
 
     # -- cancel (pdwire/2, §3.5) -------------------------------------------------------------
 

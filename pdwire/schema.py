@@ -12,7 +12,14 @@ import msgspec
 from pydantic import BaseModel
 
 from . import http_models as http
-from .messages import XferCancel, XferMetadata, XferMetadataV2, XferResponse, XferResponseV2
+from .messages import (
+    LeaseHeartbeat,
+    XferCancel,
+    XferMetadata,
+    XferMetadataV2,
+    XferResponse,
+    XferResponseV2,
+)
 
 DIALECT: Final = "https://json-schema.org/draft/2020-12/schema"
 ID_BASE: Final = "https://pdwire.dev/schemas/"
@@ -24,6 +31,7 @@ MSGPACK_MESSAGES: Final[dict[str, type[msgspec.Struct]]] = {
     "XferResponse": XferResponse,
     "XferResponseV2": XferResponseV2,
     "XferCancel": XferCancel,
+    "LeaseHeartbeat": LeaseHeartbeat,
 }
 
 #: HTTP documents (JSON).

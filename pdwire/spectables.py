@@ -28,6 +28,7 @@ SENDERS: Final = {
     "XferResponse": "P worker",
     "XferResponseV2": "P worker",
     "XferCancel": "D worker",
+    "LeaseHeartbeat": "D worker",
     "Fingerprint": "D in its pull; P in /register",
     "RegisterWorkerPayload": "P worker",
     "RegisterReply": "bootstrap server",

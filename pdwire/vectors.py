@@ -21,10 +21,10 @@ import msgspec
 from . import error_strings as msgs
 from .auth import sign, verify
 from .codec import (
-    decode_cancel,
+    DECODERS,
     decode_pull,
-    decode_response,
     encode_cancel,
+    encode_heartbeat,
     encode_pull,
     encode_response,
 )
@@ -33,6 +33,7 @@ from .legacy import older_variants
 from .messages import (
     ErrorCode,
     Fingerprint,
+    LeaseHeartbeat,
     XferCancel,
     XferMetadata,
     XferMetadataV2,
@@ -42,16 +43,12 @@ from .messages import (
 )
 from .versions import LEGACY, PDWIRE_2, Capability, Profile
 
-Decoder = Literal["pull", "response", "cancel"]
-DECODERS: Final[dict[str, Callable[..., Any]]] = {
-    "pull": decode_pull,
-    "response": decode_response,
-    "cancel": decode_cancel,
-}
+Decoder = Literal["pull", "response", "cancel", "heartbeat"]
 ENCODERS: Final[dict[str, Callable[..., bytes]]] = {
     "pull": encode_pull,
     "response": encode_response,
     "cancel": encode_cancel,
+    "heartbeat": encode_heartbeat,
 }
 #: The shared key of the signed vectors (§8.6).
 AUTH_KEY: Final = b"pdwire-golden-vector-key"
@@ -463,6 +460,45 @@ def _cancel_vectors() -> list[Vector]:
     ]
 
 
+def _heartbeat_vectors() -> list[Vector]:
+    r, S = XferResponse, XferResponseStatus
+    return [
+        _valid(
+            "heartbeat-vllm034",
+            "heartbeat",
+            "vLLM 0.34: D renews P's lease on two transfers it has not pulled yet.",
+            LeaseHeartbeat(lease_transfer_ids=["xfer-1", "xfer-2"]),
+            LEGACY,
+        ),
+        _valid(
+            "response-legacy-lease-renewed",
+            "response",
+            "vLLM 0.34: P's answer to a heartbeat.",
+            r(S.FINISH),
+            LEGACY,
+        ),
+        _valid(
+            "response-legacy-lease-not-set",
+            "response",
+            "vLLM 0.34: the answer of a P without kv_lease_duration to a heartbeat.",
+            r(S.ERROR, err_msg=msgs.LEASE_NOT_SET),
+            LEGACY,
+        ),
+        _valid(
+            "response-legacy-expired",
+            "response",
+            "vLLM 0.34: a pull for a transfer whose lease (or retention) already ended.",
+            r(
+                S.FINISH,
+                err_reqs=["cmpl-1-0"],
+                err_msg=msgs.EXPIRED,
+                layout_id=0x2F3A_51C7_0000_0001,
+            ),
+            LEGACY,
+        ),
+    ]
+
+
 def _malformed_vectors() -> list[Vector]:
     enc = msgspec.msgpack.encode
     good = encode_pull(_small_pull())
@@ -520,6 +556,18 @@ def _malformed_vectors() -> list[Vector]:
             enc({"status": 0, "err_codes": {"cmpl-1-0": "WILL_NOT_SEND"}}),
         ),
         _bad(
+            "bad-heartbeat-empty",
+            "heartbeat",
+            "A heartbeat naming no transfer (vLLM 0.34 takes it for a pull).",
+            enc({"lease_transfer_ids": []}),
+        ),
+        _bad(
+            "bad-heartbeat-id-type",
+            "heartbeat",
+            "A transfer_id that is not a string.",
+            enc({"lease_transfer_ids": [7]}),
+        ),
+        _bad(
             "bad-cancel-version",
             "cancel",
             "A cancel claiming wire version 1.",
@@ -538,7 +586,13 @@ def _malformed_vectors() -> list[Vector]:
 
 
 def all_vectors() -> list[Vector]:
-    return [*_pull_vectors(), *_response_vectors(), *_cancel_vectors(), *_malformed_vectors()]
+    return [
+        *_pull_vectors(),
+        *_response_vectors(),
+        *_cancel_vectors(),
+        *_heartbeat_vectors(),
+        *_malformed_vectors(),
+    ]
 
 
 def write(directory: Path) -> list[Path]:

@@ -131,6 +131,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "$VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT or 480",
     )
     p.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        metavar="S",
+        help="vLLM 0.34's KV lease (§6.4): P holds a finished transfer S seconds and accepts "
+        "renewals; D renews every S/6 while a request waits (default: no lease)",
+    )
+    p.add_argument(
         "--receive-timeout",
         type=float,
         metavar="S",
@@ -247,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)
         return 2
+    lease = args.kv_lease_duration
+    if lease is not None and not lease > 0:
+        print(f"pdwire node: kv_lease_duration must be positive, got {lease}.", file=sys.stderr)
+        return 2
     if key is not None and args.profile == LEGACY:
         print("pdwire node: the legacy profile cannot carry auth_tag (§8.6)", file=sys.stderr)
         return 2
@@ -286,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
             agent=args.agent,
             abort_timeout=args.abort_timeout,
             receive_timeout=args.receive_timeout,
+            kv_lease_duration=args.kv_lease_duration,
             mutant=args.mutant,
             verify_kv=not args.no_verify_kv,
             mutant_control=args.mutant_control,

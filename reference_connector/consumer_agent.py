@@ -28,12 +28,14 @@ from pdwire.events import (
     ConsumerInput,
     ConsumerOutput,
     EngineResolved,
+    LeaseRejected,
     LoadRequest,
     LoadsRequested,
     QueryBootstrap,
     ReplyReceived,
     RequestFailed,
     RequestLoaded,
+    RequestQueued,
     SendPull,
     TimePassed,
 )
@@ -151,6 +153,10 @@ class ConsumerAgent:
 
     # -- the engine's calls (any thread; they return at once and apply in order) ----------
 
+    def queue(self, request: RequestQueued) -> None:
+        """A request whose KV P holds arrived: renew its lease until its load settles (§6.4)."""
+        self._thread.call(self._feed, request)
+
     def load(self, requests: Sequence[LoadRequest]) -> None:
         """Load these requests (one engine step's batch)."""
         self._thread.call(self._feed, LoadsRequested(tuple(requests)))
@@ -215,6 +221,13 @@ class ConsumerAgent:
                 run_callback("on_failed", self._on_failed, d_req, code, reason, free)
             case BlocksReleased(d_req_id=d_req):
                 run_callback("on_released", self._on_released, d_req)
+            case LeaseRejected(addr=addr, reason=reason):
+                logger.warning(
+                    "P worker %s refused a KV lease renewal (%s): set the same "
+                    "kv_lease_duration on P and D",
+                    addr,
+                    reason,
+                )
             case _:
                 assert_never(output)
 

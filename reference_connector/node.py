@@ -74,6 +74,7 @@ class NodeConfig:
     agent: str = ""  # the workers' agent factory, MODULE:CALLABLE; "" = pdwire's own
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
     receive_timeout: float | None = None  # decode: per pull; None = abort_timeout + 60 (3.1-R8)
+    kv_lease_duration: float | None = None  # vLLM 0.34's lease (§6.4); None = no lease
     mutant: str = ""  # applied in every worker; the front applies it itself (cli_node)
     verify_kv: bool = True  # decode: fail a load whose bytes are not the prompt's KV
     mutant_control: bool = False  # serve POST /pdwire/mutant (testing the harness only)
@@ -202,6 +203,7 @@ class NodeEngine:
                     agent=c.agent,
                     abort_timeout=c.abort_timeout,
                     receive_timeout=c.receive_timeout,
+                    lease=c.kv_lease_duration,
                     mutant=c.mutant,
                     auth_key=c.auth_key,
                 )
@@ -518,6 +520,10 @@ class NodeEngine:
     async def _decode_remote(self, job: Job, p: dict[str, Any]) -> Generation:
         t0 = time.perf_counter()
         shape = self.config.shape
+        if self.config.kv_lease_duration is not None:
+            # Renewed from now on, while the request waits for blocks too (6.4-R6).
+            args = (p["transfer_id"], p["remote_engine_id"], p["remote_bootstrap_addr"])
+            await self._all("queue", job.req, *map(str, args))
         try:
             blocks = await self._allocate(job, len(job.ids) + job.max_tokens)
         except NodeError:

@@ -63,6 +63,7 @@ class WorkerSpec:
     agent: str = ""  # MODULE:CALLABLE of the agent factory; "" = pdwire's own (worker_agents)
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
     receive_timeout: float | None = None  # D, per pull; None = abort_timeout + 60 (3.1-R8)
+    lease: float | None = None  # kv_lease_duration, P and D (§6.4); None = no lease
     mutant: str = ""  # a deliberate defect, for testing the conformance harness (mutants)
     auth_key: bytes | None = None  # the shared key of §8.6
 

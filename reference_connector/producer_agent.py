@@ -254,7 +254,7 @@ class ProducerAgent:
 
     @property
     def pulls_received(self) -> int:
-        """Two-frame messages received: pulls and cancels."""
+        """Two-frame messages received: pulls, cancels and heartbeats."""
         return self._pulls_received
 
     @property

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from pdwire.consumer import mint_layout_id
-from pdwire.events import LoadRequest
+from pdwire.events import LoadRequest, RequestQueued
 from pdwire.planning import Descriptors
 from pdwire.producer import ProducerConfig
 
@@ -50,7 +50,8 @@ class Agent(Protocol):
         """P: the request ended without KV to send."""
 
     def load(self, requests: Sequence[LoadRequest]) -> None:
-        """D: load these requests."""
+        """D: load these requests. An agent may also have ``queue(RequestQueued)``: a request
+        arrived whose lease it renews until its load settles (§6.4)."""
 
     def abort(self, d_req_id: str) -> None:
         """D: the request was aborted."""
@@ -142,6 +143,7 @@ class ReferenceAgent:
                     profile=s.profile,
                     fingerprint=s.fingerprint(),
                     abort_timeout=s.abort_timeout,
+                    lease=s.lease,
                     auth_key=s.auth_key,
                 )
                 self.producer = producer_agent(
@@ -171,6 +173,7 @@ class ReferenceAgent:
                     fingerprint=s.fingerprint(),
                     layout_id=mint_layout_id(),
                     receive_timeout=s.receive_timeout or s.abort_timeout + 60.0,  # 3.1-R8
+                    lease=s.lease,
                     auth_key=s.auth_key,
                 )
                 self.consumer = consumer_agent(
@@ -203,6 +206,9 @@ class ReferenceAgent:
 
     def transfer_will_not_send(self, transfer_id: str, p_req_id: str, reason: str) -> None:
         self._producer().transfer_will_not_send(transfer_id, p_req_id, reason)
+
+    def queue(self, request: RequestQueued) -> None:
+        self._consumer().queue(request)
 
     def load(self, requests: Sequence[LoadRequest]) -> None:
         self._consumer().load(requests)

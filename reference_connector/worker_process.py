@@ -11,7 +11,7 @@ import threading
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from pdwire.events import LoadRequest
+from pdwire.events import LoadRequest, RequestQueued
 
 from .kv_content import BlockTable, ContextDigest
 from .kv_pool import KVPool
@@ -118,6 +118,11 @@ class _Worker:
         lists = self._lists(table)
         load = LoadRequest(req, transfer_id, engine_id, bootstrap_addr, lists, deadline_ms)
         self._agent().load([load])
+
+    def op_queue(self, req: str, transfer_id: str, engine_id: str, bootstrap_addr: str) -> None:
+        queue = getattr(self._agent(), "queue", None)
+        if queue is not None:  # an agent without a lease renews nothing
+            queue(RequestQueued(req, transfer_id, engine_id, bootstrap_addr))
 
     def op_abort(self, req: str) -> None:
         if self.agent is not None:

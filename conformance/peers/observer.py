@@ -40,7 +40,13 @@ from fastapi.responses import JSONResponse, Response
 
 from pdwire.codec import decode_message, decode_response
 from pdwire.errors import DecodeError
-from pdwire.messages import XferCancel, XferMetadataV2, XferResponseStatus, XferResponseV2
+from pdwire.messages import (
+    LeaseHeartbeat,
+    XferCancel,
+    XferMetadataV2,
+    XferResponseStatus,
+    XferResponseV2,
+)
 from pdwire.vectors import as_json
 
 from ..case import WireLog
@@ -89,8 +95,8 @@ class Relayed:
     identity: bytes
     t: float  # monotonic, when it was forwarded
     frames: int
-    kind: str  # "pull", "cancel", or "" when it did not decode
-    msg: XferMetadataV2 | XferCancel | None
+    kind: str  # "pull", "cancel", "heartbeat", or "" when it did not decode
+    msg: XferMetadataV2 | XferCancel | LeaseHeartbeat | None
     keys: list[str]
     error: str = ""
     replies: list[Reply] = dataclasses.field(default_factory=list)
@@ -102,12 +108,16 @@ class Relayed:
 
     @property
     def announced(self) -> bool:
-        return self.msg is not None and self.msg.pdwire_version >= 2
+        m = self.msg
+        return isinstance(m, XferMetadataV2 | XferCancel) and m.pdwire_version >= 2
 
     @property
     def d_worker(self) -> DWorker | None:
+        """The D worker it names; a heartbeat names none."""
         m = self.msg
-        return None if m is None else (m.remote_hostname, m.remote_port, m.remote_tp_rank)
+        if not isinstance(m, XferMetadataV2 | XferCancel):
+            return None
+        return m.remote_hostname, m.remote_port, m.remote_tp_rank
 
     @property
     def caps(self) -> frozenset[str]:

@@ -61,7 +61,7 @@ EXPIRED: Final = {"EXPIRED": error_strings.EXPIRED}
 async def ready_wait_expires(t: ProducerCtx) -> None:
     """A pull for a transfer whose P leg is never sent ends after T with FINISH and the request
     in err_reqs: "Timeout waiting for P side ready." (a pdwire/2 P may instead report the
-    placeholder that expires at the same time: "Request expired before sending on P side.")."""
+    placeholder that expires at the same time: "KV expired on P side before the pull.")."""
     due = t.abort_timeout
     worker = t.worker(1, 0)
     variants = [False, True] if t.env.p_version >= 2 else [False]
@@ -89,7 +89,7 @@ async def ready_wait_expires(t: ProducerCtx) -> None:
 )
 async def ready_transfer_expires(t: ProducerCtx) -> None:
     """A ready transfer no pull came for is dropped after T: a pull that names it later gets
-    the request in err_reqs with "Request expired before sending on P side." and, to a
+    the request in err_reqs with "KV expired on P side before the pull." and, to a
     pdwire/2 D, the code EXPIRED."""
     t.require_pdwire2()
     due = t.abort_timeout

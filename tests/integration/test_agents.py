@@ -27,7 +27,7 @@ import torch
 import zmq
 
 from pdwire import decode_response
-from pdwire.events import FreeReason, LoadRequest
+from pdwire.events import FreeReason, LoadRequest, RequestQueued
 from pdwire.messages import ErrorCode, XferResponseStatus
 from pdwire.planning import Side, target_ranks
 from pdwire.producer import ProducerConfig
@@ -226,6 +226,7 @@ class Cluster:
             profile=self.profile,
             fingerprint=FP if self.v2 else None,
             abort_timeout=self.options.get("abort_timeout", 480.0),
+            lease=self.options.get("p_lease", self.options.get("lease")),
             caps=self.options.get("p_caps", ALL_CAPS),
         )
         w.agent = self.producer_agent(config, w)
@@ -254,6 +255,7 @@ class Cluster:
             fingerprint=FP if self.v2 else None,
             layout_id=(2 * rank + 1) << 8 | 1,
             deadline=self.options.get("deadline", 60.0),
+            lease=self.options.get("lease"),
         )
         w.agent = ConsumerAgent(
             config,
@@ -296,6 +298,15 @@ class Cluster:
         for agent in self.agents_p():
             for r in reqs:
                 agent.transfer_finished(r.transfer_id, r.p_req, [r.p_blocks])
+
+    def queue(self, reqs: Sequence[Req]) -> None:
+        """D received ``reqs``, which wait in its queue before their loads."""
+        for d in self.consumers:
+            assert d.agent is not None
+            for r in reqs:
+                d.agent.queue(
+                    RequestQueued(r.d_req, r.transfer_id, self.engine_id, self.server.url)
+                )
 
     def load(self, reqs: Sequence[Req], engine_id: str | None = None) -> None:
         for d in self.consumers:
@@ -487,6 +498,43 @@ def test_p_expiry_frees_and_answers_a_late_pull(make_cluster: Callable[..., Clus
     c.load([r])
     _, (code, _, _) = c.consumers[0].inbox.wait([f"failed:{r.d_req}"])[f"failed:{r.d_req}"]
     assert code == ErrorCode.EXPIRED
+
+
+@pytest.mark.parametrize("profile", [LEGACY, PDWIRE_2])
+def test_renewals_keep_a_queued_request_past_its_lease(
+    make_cluster: Callable[..., Cluster], profile: Profile
+) -> None:
+    """§6.4: a request that waits in D's queue for two leases keeps P's blocks, renewed by the
+    heartbeats each D worker sends every lease/6, and then loads byte for byte."""
+    lease = 1.2
+    c = make_cluster(profile, p_tp=2, d_tp=1, lease=lease)
+    r = c.new_request()
+    c.started([r])
+    c.finished([r])
+    before = c.pull_counts()
+    c.queue([r])
+    # Twelve renewals reach each P worker: two leases' worth.
+    for agent, seen in zip(c.agents_p(), before, strict=True):
+        assert agent.wait_pulls(seen + 12, WAIT), "D sent too few renewals"
+    assert not any(k.startswith("expired:") for p in c.producers for k in p.inbox.reported())
+    c.load([r])
+    c.wait_loaded([r])
+    c.check_bytes([r])
+
+
+def test_without_renewals_the_lease_ends_and_a_late_pull_fails_at_once(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """6.4-R1, 6.4-R5: a D without a lease renews nothing; P frees at lease end, and the
+    pull that comes later fails at once with vLLM 0.34's message."""
+    c = make_cluster(LEGACY, p_lease=1.0)
+    r = c.new_request()
+    c.started([r])
+    c.finished([r])
+    c.producers[0].inbox.wait([f"{FreeReason.EXPIRED}:{r.p_req}"])
+    c.load([r])
+    failed = c.consumers[0].inbox.wait([f"failed:{r.d_req}"])[f"failed:{r.d_req}"]
+    assert failed[1][1] == "KV expired on P side before the pull."
 
 
 # -- bootstrap -------------------------------------------------------------------------------

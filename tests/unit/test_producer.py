@@ -454,7 +454,7 @@ def test_placeholder_expires_and_is_forgotten(d: DPeer) -> None:
     first, second = only_reply(out, b"a"), only_reply(out, b"b")
     for reply in (first, second):
         assert (reply.status, reply.ok_reqs, reply.err_reqs) == (FINISH, None, ["r1"])
-    assert second.err_msg == "Request expired before sending on P side."
+    assert second.err_msg == "KV expired on P side before the pull."
     expect_code(d, second, ErrorCode.EXPIRED, per_request=True)
     assert p.session.open_pulls == 0
     assert p.session.state_of("x1") is TransferState.EXPIRED
@@ -529,7 +529,7 @@ def test_ready_transfer_expires_without_pulls(d: DPeer) -> None:
     assert p.session.blocks_held == 0
     reply = only_reply(p(MessageReceived(b"i", d.pull({"r1": ("x1", [[2]])}))), b"i")
     assert (reply.status, reply.err_reqs) == (FINISH, ["r1"])
-    assert reply.err_msg == "Request expired before sending on P side."
+    assert reply.err_msg == "KV expired on P side before the pull."
     expect_code(d, reply, ErrorCode.EXPIRED, per_request=True)
 
 
