@@ -138,6 +138,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT; timer cases are skipped without it",
     )
+    _lease(prod, "P")
     prod.add_argument(
         "--max-message-bytes",
         type=int,
@@ -166,6 +167,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="S",
         help="D's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, when known",
     )
+    _lease(cons, "D")
     cons.add_argument(
         "--receive-timeout",
         type=float,
@@ -474,6 +476,16 @@ def _auth_key(p: argparse.ArgumentParser, role: str) -> None:
     )
 
 
+def _lease(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        metavar="S",
+        help=f"{role}'s kv_lease_duration (vLLM 0.34, §6.4), 0 when it has none; the lease "
+        "cases are skipped without it",
+    )
+
+
 def read_auth_key(args: argparse.Namespace) -> bytes | None:
     """The key of ``--auth-key-file``: the file's bytes less a trailing newline."""
     from pdwire.auth import read_key_file
@@ -507,6 +519,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         geometry=geometry,
         model=args.model,
         abort_timeout=args.abort_timeout,
+        kv_lease_duration=args.kv_lease_duration,
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
         max_message_bytes=args.max_message_bytes,
@@ -545,6 +558,7 @@ def cmd_consumer(args: argparse.Namespace) -> int:
         model=args.model,
         abort_timeout=args.abort_timeout,
         receive_timeout=args.receive_timeout,
+        kv_lease_duration=args.kv_lease_duration,
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
         d_command=args.d_command,

@@ -92,6 +92,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="the testee's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (timer cases)",
     )
     group.addoption(
+        "--pdwire-kv-lease-duration",
+        type=float,
+        metavar="S",
+        help="the testee's kv_lease_duration (vLLM 0.34, §6.4), 0 for none (lease cases)",
+    )
+    group.addoption(
         "--pdwire-kernel-block-size",
         type=int,
         metavar="N",
@@ -204,6 +210,7 @@ class Testee:
 
 def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callable[[WireLog], Any]]:
     abort = config.getoption("--pdwire-abort-timeout")
+    lease = config.getoption("--pdwire-kv-lease-duration")
     timeout = float(config.getoption("--pdwire-timeout"))
     if suite is Suite.PRODUCER:
         from .suites.producer_env import ProducerCtx, ProducerEnv, ProducerOptions
@@ -214,6 +221,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 api=api,
                 bootstrap=bootstrap,
                 abort_timeout=abort,
+                kv_lease_duration=lease,
                 request_timeout=timeout,
                 kernel_block_size=config.getoption("--pdwire-kernel-block-size"),
                 sliding_window=config.getoption("--pdwire-sliding-window"),
@@ -230,6 +238,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
             ConsumerOptions(
                 api=target,
                 abort_timeout=abort,
+                kv_lease_duration=lease,
                 request_timeout=timeout,
                 d_command=config.getoption("--pdwire-d-command"),
                 sliding_window=config.getoption("--pdwire-sliding-window"),

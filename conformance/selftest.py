@@ -53,6 +53,7 @@ class Layout:
     mamba: bool = False  # the testees' odd layers are state-space layers (10.6.3)
     packed_rows: bool = False  # the testees' regions are slices of packed rows (10.7.8)
     opaque_rows: bool = False  # the testees register their packed rows whole (10.6.7)
+    lease: float = 0.0  # the testees' kv_lease_duration (§6.4); 0: none
 
     @property
     def geometry(self) -> Geometry:
@@ -90,6 +91,9 @@ PACKED_MAMBA: Final = Layout(prefill_tp=1, mamba=True, packed_rows=True)
 #: The testee of the cases of packed rows registered whole, one region both KV-cache groups of a
 #: sliding-window model share.
 OPAQUE: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE, opaque_rows=True)
+#: The testees of the lease cases (§3.9, §6.4): a lease longer than T, so that a P which held a
+#: transfer for T instead fails them, and short enough for quick cases.
+LEASED: Final = Layout(prefill_tp=1, lease=3.0)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
@@ -104,6 +108,18 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.7/3": PACKED_MAMBA,
     "producer/10.6/4": OPAQUE,
     "producer/10.2/4": OPAQUE,
+    **{
+        c: LEASED
+        for c in (
+            "producer/6.4/1",
+            "producer/6.4/2",
+            "producer/6.4/3",
+            "producer/3.9/1",
+            "consumer/6.4/1",
+            "consumer/6.4/2",
+            "consumer/3.9/1",
+        )
+    },
 }
 
 
@@ -155,6 +171,8 @@ def start(
         geometry = (*geometry, "--packed-rows")
     if layout.opaque_rows:
         geometry = (*geometry, "--opaque-rows")
+    if layout.lease:
+        extra = (*extra, "--kv-lease-duration", str(layout.lease))
     if role == "prefill":
         delay = ("--prefill-delay", str(layout.prefill_delay)) if layout.prefill_delay else ()
         return testees.start_node(
@@ -285,6 +303,7 @@ async def run_suites(
             bootstrap=p.bootstrap,
             geometry=bed.layout.geometry,
             abort_timeout=bed.layout.abort_timeout,
+            kv_lease_duration=bed.layout.lease,
             request_timeout=timeout,
             auth_key=bed.auth_key,
             max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
@@ -297,6 +316,7 @@ async def run_suites(
             api=d.url,
             abort_timeout=bed.layout.abort_timeout,
             receive_timeout=RECEIVE_TIMEOUT,
+            kv_lease_duration=bed.layout.lease,
             request_timeout=timeout,
             auth_key=bed.auth_key,
             d_command=reference_d_command(bed.mutant_of("decode")),

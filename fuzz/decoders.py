@@ -46,7 +46,7 @@ from pdwire.versions import ALL_CAPS, LEGACY, PDWIRE_2, WIRE_VERSION
 
 from .reader import Reader
 
-_KINDS: Final = ("pull", "response", "cancel")
+_KINDS: Final = ("pull", "response", "cancel", "heartbeat")
 _MAX_SIZE: Final = 1 << 16
 
 

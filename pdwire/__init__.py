@@ -1,6 +1,6 @@
 """pdwire: the wire protocol of prefill/decode disaggregated LLM serving, as code.
 
-Codecs for every side-channel message (legacy = vLLM 0.33's bytes; pdwire/2 = negotiated
+Codecs for every side-channel message (legacy = vLLM 0.34's bytes; pdwire/2 = negotiated
 extensions), the HTTP documents, and version negotiation. No sockets, threads or clocks.
 """
 
@@ -8,12 +8,14 @@ from .auth import sign, verify
 from .codec import (
     DEFAULT_MAX_MESSAGE_BYTES,
     decode_cancel,
+    decode_heartbeat,
     decode_message,
     decode_pull,
     decode_response,
     detect_kind,
     encode_cancel,
     encode_canonical,
+    encode_heartbeat,
     encode_pull,
     encode_response,
 )
@@ -38,6 +40,7 @@ from .http_models import (
 from .messages import (
     ErrorCode,
     Fingerprint,
+    LeaseHeartbeat,
     XferCancel,
     XferMetadata,
     XferMetadataV2,
@@ -65,6 +68,7 @@ __all__ = [
     "EngineEntry",
     "ErrorCode",
     "Fingerprint",
+    "LeaseHeartbeat",
     "LocalProtocolError",
     "Offer",
     "PdwireError",
@@ -83,6 +87,7 @@ __all__ = [
     "XferResponseStatus",
     "XferResponseV2",
     "decode_cancel",
+    "decode_heartbeat",
     "decode_json",
     "decode_message",
     "decode_pull",
@@ -90,6 +95,7 @@ __all__ = [
     "detect_kind",
     "encode_cancel",
     "encode_canonical",
+    "encode_heartbeat",
     "encode_pull",
     "encode_response",
     "negotiate",

@@ -575,6 +575,12 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
 
     # -- lease renewal (vLLM 0.34, §6.4) -------------------------------------------------------
 
+    @property
+    def _renewal_period(self) -> float:
+        """How often D renews, and how long it waits for a heartbeat's reply (3.9-R1)."""
+        assert self.config.lease is not None
+        return self.config.lease / 6
+
     def _on_queued(self, ev: RequestQueued, now: float) -> None:
         self._lease(ev, now, keep=False)
 
@@ -584,13 +590,12 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             return
         self._leases[req.d_req_id] = req
         if self._heartbeat_at is None:
-            self._heartbeat_at = max(now, self._last_heartbeat + self.config.lease / 6)
+            self._heartbeat_at = max(now, self._last_heartbeat + self._renewal_period)
             self._push(self._heartbeat_at, "heartbeat", None)
 
     def _on_heartbeat_due(self, now: float) -> None:
         """One renewal per P engine, naming every transfer D still waits for from it, to each
         P worker D pulls from; an engine not known yet is queried first."""
-        assert self.config.lease is not None
         self._heartbeat_at = None
         if not self._leases:
             return
@@ -603,11 +608,10 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             if engine_id not in self._waiting:
                 self._out.append(QueryBootstrap(engine_id, first.bootstrap_addr))
                 self._waiting[engine_id] = []
-        self._heartbeat_at = now + self.config.lease / 6
+        self._heartbeat_at = now + self._renewal_period
         self._push(self._heartbeat_at, "heartbeat", None)
 
     def _renew(self, engine_id: str, now: float) -> None:
-        assert self.config.lease is not None
         ids = [r.transfer_id for r in self._leases.values() if r.engine_id == engine_id]
         if not ids:
             return
@@ -622,7 +626,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 with_layout=False,
                 announced=False,
                 agreement=negotiate("D", self._offer, LEGACY_PEER),
-                receive_until=now + self.config.lease / 6,
+                receive_until=now + self._renewal_period,
                 heartbeat=True,
             )
             self._pulls[pull.pull_id] = pull

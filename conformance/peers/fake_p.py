@@ -25,11 +25,12 @@ import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from pdwire import auth
-from pdwire.codec import decode_cancel, decode_pull, encode_response
+from pdwire import auth, error_strings
+from pdwire.codec import decode_cancel, decode_heartbeat, decode_pull, encode_response
 from pdwire.errors import DecodeError
 from pdwire.messages import (
     Fingerprint,
+    LeaseHeartbeat,
     XferCancel,
     XferMetadataV2,
     XferResponseStatus,
@@ -63,9 +64,10 @@ class Received:
     addr: str
     identity: bytes
     frames: list[bytes]  # as the ROUTER got them: [identity, payload] for one frame sent
-    kind: str  # "pull", "cancel"
+    kind: str  # "pull", "cancel", "heartbeat"
     pull: XferMetadataV2 | None = None
     cancel: XferCancel | None = None
+    heartbeat: LeaseHeartbeat | None = None
     error: DecodeError | None = None
 
     @property
@@ -108,6 +110,8 @@ class Received:
             return f"an undecodable {self.kind} ({self.error})"
         if self.cancel is not None:
             return f"a cancel of {self.cancel.cancel_reqs}"
+        if self.heartbeat is not None:
+            return f"a lease renewal of {self.heartbeat.lease_transfer_ids}"
         assert self.pull is not None
         reqs = {d: t for d, (t, _) in self.pull.req_blocks.items()}
         release = not any(any(groups) for _, groups in self.pull.req_blocks.values())
@@ -127,6 +131,9 @@ class FakePConfig:
     fingerprint: Fingerprint | None = None
     health: bool = True  # serve GET /health (a vLLM bootstrap server does not)
     auth_key: bytes | None = None  # sign pdwire/2 replies with it (§8.6), and announce ``auth``
+    #: how the workers answer a lease renewal (§3.9): "finish" (a P with a lease), "error" (a
+    #: P without one) or "none" (no answer at all)
+    heartbeat_reply: str = "finish"
 
 
 class Source:
@@ -181,6 +188,9 @@ class FakeP:
         self.query_body: Callable[[], Any] | None = None  # serve this instead
         self.queries: list[float] = []  # arrival time of each GET /query
         self.history: list[Received] = []
+        #: every lease renewal D sent, answered as ``config.heartbeat_reply`` says and kept out
+        #: of the messages a case takes with ``next``
+        self.heartbeats: list[Received] = []
         self._ctx = ctx
         self._engine = engine
         self._source = source
@@ -292,12 +302,33 @@ class FakeP:
             rx = _received(w, frames)
             if rx.pull is not None and rx.pull.layout_id and rx.with_layout:
                 self._layouts[_layout_key(rx.pull)] = pull_regions(rx.pull)
-            msg = rx.pull or rx.cancel
+            msg = rx.pull or rx.cancel or rx.heartbeat
             data = as_json(msg) if msg is not None else [f.hex()[:512] for f in frames[1:]]
             self.log.received(channel, f"{len(frames) - 1} frame(s): {rx.describe()}", data)
             self.history.append(rx)
+            if rx.heartbeat is not None:
+                self.heartbeats.append(rx)
+                await self._renewed(rx)
+                continue
             self._inbox.append(rx)
             self._arrived.set()
+
+    async def _renewed(self, rx: Received) -> None:
+        how = self.config.heartbeat_reply
+        if how == "finish":
+            await self.reply(rx, announce=False)
+        elif how == "error":
+            await self.reply(
+                rx, XferResponseStatus.ERROR, announce=False, err_msg=error_strings.LEASE_NOT_SET
+            )
+
+    def renewals(self, transfer_id: str) -> list[Received]:
+        """The lease renewals D sent that name ``transfer_id``, in arrival order."""
+        return [
+            rx
+            for rx in self.heartbeats
+            if rx.heartbeat is not None and transfer_id in rx.heartbeat.lease_transfer_ids
+        ]
 
     async def next(
         self, timeout: float, match: Callable[[Received], bool] | None = None
@@ -503,6 +534,9 @@ def _received(w: _Worker, frames: list[bytes]) -> Received:
         if isinstance(obj, dict) and "cancel_reqs" in obj:
             rx.kind = "cancel"
             rx.cancel = decode_cancel(payload)
+        elif isinstance(obj, dict) and "lease_transfer_ids" in obj:
+            rx.kind = "heartbeat"
+            rx.heartbeat = decode_heartbeat(payload)
         else:
             rx.pull = decode_pull(payload)
     except DecodeError as exc:

@@ -52,6 +52,7 @@ class ConsumerOptions:
     model: str | None = None  # default: the first model of /v1/models
     abort_timeout: float | None = None  # D's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, when known
     receive_timeout: float | None = None  # D's receive timeout per pull, when known
+    kv_lease_duration: float | None = None  # D's lease (§6.4), when known; 0: D has none
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT  # the longest wait for any one answer of D
     block_size: int | None = None  # D's KV block size; default: from its fingerprint
     host: str = "127.0.0.1"  # where the fake P's listen and write from: reachable from D
@@ -390,6 +391,16 @@ class ConsumerCtx:
     def auth_key(self) -> bytes:
         """The key D shares; skips the case when the run was not given one."""
         return given(self.options.auth_key, "D's shared key", "--auth-key-file")
+
+    def require_lease(self) -> float:
+        """D's kv_lease_duration; skips the case when the run was not told it, unsupported when
+        D has none."""
+        lease = given(
+            self.options.kv_lease_duration, "D's kv_lease_duration", "--kv-lease-duration"
+        )
+        if not lease:
+            raise Unsupported("D has no kv_lease_duration (§6.4)")
+        return lease
 
     @property
     def receive_timeout(self) -> float:

@@ -34,6 +34,72 @@ async def _pull_for(fake: FakeP, leg: Leg, timeout: float) -> Received | None:
     return rx
 
 
+async def fill_until_queued(t: ConsumerCtx, fake: FakeP, held: list[tuple[Leg, Received]]) -> Leg:
+    """Send D requests whose pulls ``fake`` holds unanswered (kept in ``held``) until one gets
+    no pull within QUEUED_S: D holds it back, waiting for blocks. That request's leg;
+    unsupported when D answers instead, or pulls for each of MAX_FILL requests."""
+    for _ in range(MAX_FILL):
+        leg = t.start(fake, body={"max_tokens": FILL_TOKENS})
+        rx = await _pull_for(fake, leg, QUEUED_S)
+        if rx is None:
+            if leg.task.done():
+                got = await leg.result()
+                raise Unsupported(
+                    f"D answered a request of max_tokens {FILL_TOKENS} with HTTP "
+                    f"{got.status} {got.error or got.body!r} before it pulled"
+                )
+            t.log.note(f"no pull within {QUEUED_S}s: D holds the request back")
+            return leg
+        held.append((leg, rx))
+    raise Unsupported(
+        f"D pulled for each of {MAX_FILL} requests of max_tokens {FILL_TOKENS} without "
+        "holding one back: the case could not fill its blocks"
+    )
+
+
+async def fail_held(t: ConsumerCtx, fake: FakeP, held: list[tuple[Leg, Received]]) -> None:
+    """Fail the held pulls, and wait until D answered their requests: D frees their blocks
+    before the next case needs them."""
+    for _leg, rx in held:
+        await fake.reply(
+            rx,
+            XferResponseStatus.ERROR,
+            err_msg="the fake P failed this pull",
+            err_code="INTERNAL",
+        )
+    if held:
+        await asyncio.wait([leg.task for leg, _ in held], timeout=t.options.request_timeout)
+
+
+async def release_only_after_abort(
+    t: ConsumerCtx,
+    fake: FakeP,
+    leg: Leg,
+    held: list[tuple[Leg, Received]],
+    *,
+    answer: bool = True,
+) -> Received | None:
+    """Abort ``leg``, a request D holds back, and return the release-only request D then sends
+    for it, answered ok unless not ``answer``; None when D had allocated its blocks before the
+    abort reached it: it then pulls with blocks (held, like the others), not the moment a case
+    about release-only requests needs."""
+    leg.task.cancel()
+    rx = await _pull_for(fake, leg, RELEASE_S)
+    expect(
+        rx is not None,
+        f"D sent P nothing for a request aborted while it waited for blocks, within "
+        f"{RELEASE_S}s: P keeps its blocks until they expire",
+    )
+    assert rx is not None
+    if not _release_only(rx, leg.transfer_id):
+        t.log.note("D pulled it with blocks after all")
+        held.append((leg, rx))
+        return None
+    if answer:
+        await fake.reply(rx, ok=[rx.d_req(leg.transfer_id)])
+    return rx
+
+
 @consumer_case(
     "consumer/10.10/4",
     "10.10.8",
@@ -48,42 +114,9 @@ async def release_only_for_an_abort_before_allocation(t: ConsumerCtx) -> None:
     held: list[tuple[Leg, Received]] = []
     try:
         for _ in range(MAX_FILL):
-            leg = t.start(fake, body={"max_tokens": FILL_TOKENS})
-            rx = await _pull_for(fake, leg, QUEUED_S)
-            if rx is None:
-                if leg.task.done():
-                    got = await leg.result()
-                    raise Unsupported(
-                        f"D answered a request of max_tokens {FILL_TOKENS} with HTTP "
-                        f"{got.status} {got.error or got.body!r} before it pulled"
-                    )
-                t.log.note(f"no pull within {QUEUED_S}s: D holds the request back; it is aborted")
-                leg.task.cancel()
-                rx = await _pull_for(fake, leg, RELEASE_S)
-                expect(
-                    rx is not None,
-                    f"D sent P nothing for a request aborted while it waited for blocks, within "
-                    f"{RELEASE_S}s: P keeps its blocks until they expire",
-                )
-                assert rx is not None
-                if _release_only(rx, leg.transfer_id):
-                    await fake.reply(rx, ok=[rx.d_req(leg.transfer_id)])
-                    return
-                # D had allocated before the abort reached it: not the moment this case needs.
-                t.log.note("D pulled it with blocks after all; filling on")
-            assert rx is not None
-            held.append((leg, rx))
-        raise Unsupported(
-            f"D pulled for each of {MAX_FILL} requests of max_tokens {FILL_TOKENS} without "
-            "holding one back: the case could not fill its blocks"
-        )
+            queued = await fill_until_queued(t, fake, held)
+            if await release_only_after_abort(t, fake, queued, held) is not None:
+                return
+        raise Unsupported(f"D allocated each of {MAX_FILL} aborted requests before the abort")
     finally:
-        for _leg, rx in held:
-            await fake.reply(
-                rx,
-                XferResponseStatus.ERROR,
-                err_msg="the fake P failed this pull",
-                err_code="INTERNAL",
-            )
-        if held:  # D frees the failed requests' blocks before the next case needs them
-            await asyncio.wait([leg.task for leg, _ in held], timeout=t.options.request_timeout)
+        await fail_held(t, fake, held)

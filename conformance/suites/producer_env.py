@@ -19,8 +19,8 @@ import msgspec
 import zmq.asyncio
 
 from pdwire import auth
-from pdwire.codec import encode_cancel, encode_pull
-from pdwire.messages import Fingerprint, XferCancel, XferMetadataV2
+from pdwire.codec import encode_cancel, encode_heartbeat, encode_pull
+from pdwire.messages import Fingerprint, LeaseHeartbeat, XferCancel, XferMetadataV2
 from pdwire.planning import target_ranks
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, LEGACY, PDWIRE_2
@@ -43,6 +43,7 @@ class ProducerOptions:
     geometry: Geometry | None = None  # P's KV geometry; default: from its registered fingerprint
     model: str | None = None  # default: the first model of /v1/models
     abort_timeout: float | None = None  # P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, when known
+    kv_lease_duration: float | None = None  # P's lease (§6.4), when known; 0: P has none
     vocab: int = 1000  # prompts use token ids in [1, vocab)
     prompt_tokens: int = 40  # the default prompt length
     request_timeout: float = 30.0
@@ -209,6 +210,24 @@ class ProducerCtx:
         return given(
             self.options.abort_timeout, "P's VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT", "--abort-timeout"
         )
+
+    @property
+    def lease(self) -> float:
+        """P's kv_lease_duration, 0 when it has none; skips the case when the run was not told."""
+        return given(self.options.kv_lease_duration, "P's kv_lease_duration", "--kv-lease-duration")
+
+    def require_lease(self) -> float:
+        """P's lease; unsupported when P has none."""
+        if not self.lease:
+            raise Unsupported("P has no kv_lease_duration (§6.4)")
+        return self.lease
+
+    async def heartbeat(
+        self, addr: str, transfer_ids: Sequence[str], *, timeout: float | None = None
+    ) -> PullResult:
+        """A lease renewal (§3.9) of ``transfer_ids`` on a new DEALER to ``addr``."""
+        data = encode_heartbeat(LeaseHeartbeat(list(transfer_ids)))
+        return await self.send(addr, data, timeout=timeout)
 
     def prompt(self, tokens: int | None = None) -> list[int]:
         n = tokens or self.options.prompt_tokens

@@ -40,6 +40,18 @@ def test_decode_raw_and_hex_agree(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert json.loads(out_raw)["kind"] == "pull"
 
 
+def test_decode_names_a_vllm_034_heartbeat(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.34's MooncakeLeaseHeartbeat, as msgspec writes it, is the kind ``heartbeat``."""
+    data = tmp_path / "hb.hex"
+    data.write_text((b"\x81\xb2lease_transfer_ids\x91\xa6xfer-1").hex())
+    code, out, _ = run(capsys, "decode", str(data))
+    assert code == 0
+    assert json.loads(out)["kind"] == "heartbeat"
+    assert json.loads(out)["message"] == {"lease_transfer_ids": ["xfer-1"]}
+
+
 def test_decode_reports_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "bad-tp-rank.msgpack"))
     assert code == 1
@@ -103,7 +115,7 @@ def test_encode_refuses_a_cancel_under_legacy(
 
 def test_schema_and_vectors_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "schema", "--out", str(tmp_path / "s"))
-    assert code == 0 and len(list((tmp_path / "s").glob("*.json"))) == 12
+    assert code == 0 and len(list((tmp_path / "s").glob("*.json"))) == 13
     code, _, _ = run(capsys, "vectors", "write", "--dir", str(tmp_path / "v"))
     assert code == 0
     code, out, _ = run(capsys, "vectors", "check", "--dir", str(tmp_path / "v"))

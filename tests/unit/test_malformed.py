@@ -32,10 +32,17 @@ DECODERS: dict[str, Decoder] = {
     "pull": pdwire.decode_pull,
     "response": pdwire.decode_response,
     "cancel": pdwire.decode_cancel,
+    "heartbeat": pdwire.decode_heartbeat,
     "message": pdwire.detect_kind,
 }
 #: The section a decoder names for input that is MessagePack but not a map of its kind.
-SHAPE_SECTION = {"pull": "3.2", "response": "3.4", "cancel": "3.5", "message": "2"}
+SHAPE_SECTION = {
+    "pull": "3.2",
+    "response": "3.4",
+    "cancel": "3.5",
+    "heartbeat": "3.9",
+    "message": "2",
+}
 
 PULL: dict[str, Any] = {
     "remote_hostname": "10.0.0.7",
@@ -60,6 +67,7 @@ VALID: dict[str, dict[str, Any]] = {
     "pull": PULL,
     "response": RESPONSE,
     "cancel": CANCEL,
+    "heartbeat": {"lease_transfer_ids": ["xfer-1"]},
     "message": RESPONSE,
 }
 
@@ -132,7 +140,7 @@ def _every_decoder() -> list[Any]:
 def _bomb_cases() -> list[Any]:
     # Only decoders that descend into the nesting see the bomb; the typed response and cancel
     # decoders stop at the first byte, an array where their map belongs.
-    where = {"pull": "2.3", "detect": "2.3", "response": "3.4", "cancel": "3.5"}
+    where = {"pull": "2.3", "detect": "2.3", "response": "3.4", "cancel": "3.5", "heartbeat": "3.9"}
     return [
         pytest.param(kind, BOMB, "$", where.get(kind, "2.3"), {}, id=f"{kind}-bomb")
         for kind in DECODERS

@@ -52,7 +52,7 @@ def test_vectors_cover_every_status_profile_and_kind() -> None:
         d["message"]["status"] for d in docs if d["decoder"] == "response" and "message" in d
     }
     assert statuses == {0, 1, 2, 3}
-    for decoder in ("pull", "response", "cancel"):
+    for decoder in ("pull", "response", "cancel", "heartbeat"):
         assert any(d["decoder"] == decoder and "error" in d for d in docs), decoder
     assert {d.get("profile") for d in docs if d["decoder"] == "pull"} >= {"legacy", "pdwire/2"}
     traits = {t for d in docs for t in d.get("older_variants", [])}
@@ -63,7 +63,12 @@ def test_vectors_cover_every_status_profile_and_kind() -> None:
     "vector", [v for v in vectors.all_vectors() if v.error is None], ids=lambda v: v.name
 )
 def test_vector_message_validates_against_schema(vector: vectors.Vector) -> None:
-    name = {"pull": "XferMetadataV2", "response": "XferResponseV2", "cancel": "XferCancel"}
+    name = {
+        "pull": "XferMetadataV2",
+        "response": "XferResponseV2",
+        "cancel": "XferCancel",
+        "heartbeat": "LeaseHeartbeat",
+    }
     jsonschema.validate(vectors.as_json(vector.message), schema_of(name[vector.decoder]))
 
 
