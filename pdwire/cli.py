@@ -156,6 +156,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         arrival_rate=args.arrival_rate,
         prompt_tokens=args.prompt_tokens,
         deadline=args.deadline,
+        lease=args.lease,
+        d_queue=args.d_queue,
     )
     step = max(1, args.requests // 20)
     tty = sys.stderr.isatty()
@@ -262,6 +264,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", choices=sorted(WIRE_VERSION), default="pdwire/2")
     p.add_argument("--arrival-rate", type=float, default=200.0, help="requests per second")
     p.add_argument("--deadline", type=float, default=60.0, help="D's load deadline, seconds")
+    p.add_argument(
+        "--lease",
+        type=float,
+        metavar="S",
+        help="vLLM 0.34's kv_lease_duration on every P and D, seconds (default: no lease)",
+    )
+    p.add_argument(
+        "--d-queue",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="each request waits up to S seconds in D's queue before its load (default 0)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_simulate)

@@ -28,6 +28,7 @@ from ..events import (
     ReplyReceived,
     RequestFailed,
     RequestLoaded,
+    RequestQueued,
     SendPull,
     SendReply,
     StartWrite,
@@ -75,6 +76,10 @@ class SimParams:
     bandwidth: float = 25e9  # bytes per second per write
     prefill_per_token: float = 50e-6
     slow_prefill: float = 600.0
+    #: vLLM 0.34's kv_lease_duration on every P and D (§6.4); None: no lease
+    lease: float | None = None
+    #: each request waits up to this long (uniformly) in D's queue before its load starts
+    d_queue: float = 0.0
     geometry: Geometry = dataclasses.field(default_factory=Geometry)
 
 
@@ -164,6 +169,7 @@ class Cluster:
                 profile=p.profile,
                 fingerprint=self.fingerprint if p.profile == PDWIRE_2 else None,
                 abort_timeout=p.abort_timeout,
+                lease=p.lease,
             )
             addr = f"tcp://p{inst}-{tp}-{pp}:{5000 + index}"
             out.append(Worker(index, inst, tp, pp, ProducerSession(config), addr))
@@ -187,6 +193,7 @@ class Cluster:
                 layout_id=(2 * index + 1) << 8 | 1,
                 receive_timeout=p.abort_timeout + 60,
                 deadline=p.deadline,
+                lease=p.lease,
             )
             out.append(Worker(index, inst, tp, pp, ConsumerSession(config), f"d{index}"))
         return out
@@ -276,9 +283,12 @@ class Cluster:
         load = LoadRequest(
             f"d-{n}", transfer_id, f"p{p_inst}", f"http://p{p_inst}:8998", req.blocks
         )
+        queued = RequestQueued(load.d_req_id, transfer_id, load.engine_id, load.bootstrap_addr)
+        waits = self.rng.uniform(0.0, p.d_queue)  # in D's queue, waiting for blocks
         for w in self._d_of[d_inst]:
             w.held[f"d-{n}"] = nblocks
-            begins = self.now + lat + self.rng.uniform(0.0, p.step_jitter)
+            self.at(self.now + lat, self._feed, w, queued)
+            begins = self.now + lat + waits + self.rng.uniform(0.0, p.step_jitter)
             self.at(begins, self._feed, w, LoadsRequested((load,)))
 
     def _prefilled(self, req: Request) -> None:

@@ -12,7 +12,7 @@ key                          default                what it sets
                                                     ``VLLM_MOONCAKE_BOOTSTRAP_PORT`` (8998)
 ``bootstrap_host``           ``"0.0.0.0"``          the address that server binds
 ``profile``                  ``"pdwire/2"``         ``"legacy"``: speak exactly what vLLM
-                                                    0.33's MooncakeConnector speaks;
+                                                    0.34's MooncakeConnector speaks;
                                                     ``"pdwire/2"``: negotiate the extensions
                                                     with peers that announce them
 ``abort_timeout``            ``VLLM_MOONCAKE_ABORT  P: seconds a pull waits for its request's
@@ -33,6 +33,12 @@ key                          default                what it sets
                                                     (``ProducerConfig.auth_key``,
                                                     ``ConsumerConfig.auth_key``)
 ``num_workers``              10                     P: batch writes that may run at once
+``kv_lease_duration``        unset (no lease)       vLLM 0.34's lease, seconds: P holds a
+                                                    finished request's blocks this long and
+                                                    accepts renewals; D renews every 1/6 of
+                                                    it while a request waits (§6.4;
+                                                    ``ProducerConfig.lease``,
+                                                    ``ConsumerConfig.lease``)
 ============================ ====================== ===========================================
 
 Unknown keys are an error, so that a misspelt key does not silently keep its default.
@@ -70,6 +76,7 @@ KEYS: Final = frozenset(
         "bootstrap_timeout",
         "auth_key_file",
         "num_workers",
+        "kv_lease_duration",
     }
 )
 
@@ -93,6 +100,20 @@ def _number(extra: Mapping[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise ConfigError(f"kv_connector_extra_config.{key} must be a positive number: {value!r}")
     return float(value)
+
+
+def _lease(extra: Mapping[str, Any]) -> float | None:
+    """``kv_lease_duration``, read as vLLM 0.34 reads it: a float, positive, or unset."""
+    value = extra.get("kv_lease_duration")
+    if value is None:
+        return None
+    try:
+        duration = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.kv_lease_duration: {value!r}") from None
+    if not duration > 0:
+        raise ConfigError(f"kv_lease_duration must be positive, got {duration}.")
+    return duration
 
 
 def _text(extra: Mapping[str, Any], key: str, default: str) -> str:
@@ -140,6 +161,7 @@ class Settings:
     bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT
     auth_key: bytes | None = None
     num_workers: int = 10
+    lease: float | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> Settings:
@@ -181,4 +203,5 @@ class Settings:
             ),
             auth_key=_auth_key(extra, profile),
             num_workers=workers,
+            lease=_lease(extra),
         )

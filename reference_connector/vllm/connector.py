@@ -69,7 +69,7 @@ class PdwireConnector(KVConnectorBase_V1):
         self.scheduler: PdwireScheduler | None = None
         self.worker: PdwireWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PdwireScheduler(vllm_config, kv_cache_config)
+            self.scheduler = PdwireScheduler(vllm_config, kv_cache_config, self.settings.lease)
         else:
             from .worker import PdwireWorker  # the transfer engine loads only in workers
 
@@ -90,6 +90,9 @@ class PdwireConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().on_new_request(request)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

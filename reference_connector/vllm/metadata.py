@@ -7,6 +7,8 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from pdwire.events import RequestQueued
+
 
 @dataclasses.dataclass(frozen=True)
 class Load:
@@ -40,13 +42,16 @@ class NoSend:
 
 @dataclasses.dataclass
 class PdwireConnectorMetadata(KVConnectorMetadata):
-    """One step's worth, applied by each worker in this order: sends, no-sends, loads, aborts."""
+    """One step's worth, applied by each worker in this order: sends, no-sends, queued, loads,
+    aborts."""
 
     sends: list[Send] = dataclasses.field(default_factory=list)
     no_sends: list[NoSend] = dataclasses.field(default_factory=list)
+    #: D, with a lease: requests that arrived, renewed until their loads settle (§6.4)
+    queued: list[RequestQueued] = dataclasses.field(default_factory=list)
     loads: list[Load] = dataclasses.field(default_factory=list)
     aborts: list[str] = dataclasses.field(default_factory=list)  # D request ids
 
     @property
     def empty(self) -> bool:
-        return not (self.sends or self.no_sends or self.loads or self.aborts)
+        return not (self.sends or self.no_sends or self.queued or self.loads or self.aborts)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any, Final
 
 from vllm.v1.request import RequestStatus
 
+from pdwire.events import RequestQueued
+
 from .metadata import Load, NoSend, PdwireConnectorMetadata, Send
 
 if TYPE_CHECKING:
@@ -44,11 +46,14 @@ def _deadline(request: Request, params: dict[str, Any]) -> float | None:
 
 
 class PdwireScheduler:
-    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, lease: float | None = None
+    ) -> None:
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None
         self.produces = transfer.is_kv_producer
         self.consumes = transfer.is_kv_consumer
+        self._lease = lease
         self._kv_cache_config = kv_cache_config
         self._pending = PdwireConnectorMetadata()
         self._loading: set[str] = set()  # D: loads asked for and not reported yet
@@ -58,6 +63,22 @@ class PdwireScheduler:
         self._duplicates: set[str] = set()  # P: requests whose transfer_id another one holds
 
     # -- D --------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        """With a lease, D renews P's hold on the request's KV from its arrival, also while it
+        waits in the queue (6.4-R6); the workers' sessions stop when its load settles."""
+        params = request.kv_transfer_params
+        if not (self._lease and self.consumes and params and params.get("do_remote_prefill")):
+            return
+        if all(params.get(k) for k in DECODE_KEYS):
+            self._pending.queued.append(
+                RequestQueued(
+                    request.request_id,
+                    str(params["transfer_id"]),
+                    str(params["remote_engine_id"]),
+                    str(params["remote_bootstrap_addr"]),
+                )
+            )
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -107,6 +107,7 @@ class PdwireWorker:
                 layout_id=mint_layout_id(),
                 receive_timeout=s.receive_timeout,
                 deadline=s.deadline,
+                lease=s.lease,
                 auth_key=s.auth_key,
             )
             self.consumer = ConsumerAgent(
@@ -125,6 +126,7 @@ class PdwireWorker:
                     profile=s.profile,
                     fingerprint=fp,
                     abort_timeout=s.abort_timeout,
+                    lease=s.lease,
                     auth_key=s.auth_key,
                 ),
                 self.transport,
@@ -160,6 +162,11 @@ class PdwireWorker:
         """Hand one step's decisions to the agents; returns at once."""
         if meta.sends or meta.no_sends:
             self._apply_sends(meta)
+        if meta.queued:
+            consumer = self.consumer
+            assert consumer is not None, "a D request reached a worker that does not consume"
+            for queued in meta.queued:
+                consumer.queue(queued)
         if meta.loads:
             self._apply_loads(meta.loads)
         for d_req in meta.aborts:

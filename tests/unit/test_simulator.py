@@ -182,6 +182,33 @@ def test_mutant_without_deadline_is_late(monkeypatch: pytest.MonkeyPatch) -> Non
     assert r.p99_terminal_seconds > params.deadline + 1
 
 
+class NoRenewals(ConsumerSession):
+    """A D that never sends a renewal, though it has a lease."""
+
+    def _renew(self, engine_id: str, now: float) -> None:
+        pass
+
+
+@pytest.mark.parametrize("profile", [LEGACY, PDWIRE_2])
+def test_lease_keeps_kv_through_long_d_queues(
+    profile: Profile, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """§6.4: requests wait up to three leases in D's queue; the renewals keep their KV at P, so
+    every one loads, nothing is freed early, nothing leaks and nothing waits for a 480 s timer.
+    A D that does not renew loses requests to P's lease, and learns it at once (6.4-R5)."""
+    params = SimParams(
+        requests=200, profile=profile, lease=30.0, d_queue=90.0, deadline=200.0, **SHORT
+    )
+    r = simulate(params)
+    clean(r)
+    assert (r.completed, r.stalled) == (200, 0)
+    assert r.max_terminal_seconds > params.lease  # waits longer than one lease were renewed
+    monkeypatch.setattr(cluster, "ConsumerSession", NoRenewals)
+    lost = simulate(params)
+    assert lost.failed > 0 and lost.stalled == 0
+    assert (lost.early_frees, lost.leaked_blocks) == (0, 0)
+
+
 # -- the CLI ----------------------------------------------------------------------------------
 
 REPORT_KEYS = {

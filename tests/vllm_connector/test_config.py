@@ -77,11 +77,18 @@ def test_keys_set_the_sessions_and_agents() -> None:
         ({"bootstrap_server_address": "10.0.0.5"}, "bootstrap_server_address"),
         ({"bootstrap_server_address": "10.0.0.5:99999"}, "bootstrap_server_address"),
         ({"auth_key_file": "/no/such/file"}, "auth_key_file"),
+        ({"kv_lease_duration": 0}, "kv_lease_duration must be positive, got 0.0."),
+        ({"kv_lease_duration": "long"}, "kv_lease_duration"),
     ],
 )
 def test_bad_values_name_their_key(extra: dict[str, object], names: str) -> None:
     with pytest.raises(ConfigError, match=names):
         Settings.from_extra_config(extra)
+
+
+def test_kv_lease_duration_is_read_as_vllm_034_reads_it() -> None:
+    assert Settings.from_extra_config({}).lease is None
+    assert Settings.from_extra_config({"kv_lease_duration": "12"}).lease == 12.0
 
 
 def test_auth_key_file(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import pytest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from pdwire.events import RequestQueued
 from reference_connector.vllm.metadata import Load, NoSend, Send
 
 from . import offline as h
@@ -139,6 +140,22 @@ def test_d_passes_deadline_ms_to_its_workers(model: Path) -> None:
     s.add_request(r)
     (load,) = h.metadata(s.schedule()).loads
     assert load.deadline == pytest.approx(r.arrival_time + 1.5)
+
+
+def test_d_with_a_lease_renews_from_arrival(model: Path) -> None:
+    """6.4-R6: ``kv_lease_duration`` set, the workers learn of a D request when vLLM's scheduler
+    adds it, before it is scheduled; without a lease they do not."""
+    leased = h.scheduler(h.vllm_config(model, "kv_consumer", extra={"kv_lease_duration": 30}))
+    r = h.request(PROMPT, h.decode_params())
+    leased.add_request(r)
+    out = leased.schedule()
+    assert h.metadata(out).queued == [
+        RequestQueued(r.request_id, "xfer-1", "p-engine", "http://127.0.0.1:8998")
+    ]
+    leased.update_from_output(out, h.output([], finished_recving={r.request_id}))
+    plain = make(model, "kv_consumer")
+    plain.add_request(h.request(PROMPT, h.decode_params()))
+    assert h.metadata(plain.schedule()).queued == []
 
 
 def test_d_abort_before_scheduling_only_releases_p(model: Path) -> None:
