@@ -17,7 +17,7 @@ from . import __version__, spectables, vectors
 from .codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
 from .errors import PdwireError
 from .legacy import older_variants
-from .messages import XferCancel, XferMetadataV2, XferResponseV2
+from .messages import LeaseHeartbeat, XferCancel, XferMetadataV2, XferResponseV2
 from .schema import schemas
 from .vectors import ENCODERS, as_json
 from .versions import WIRE_VERSION
@@ -25,7 +25,12 @@ from .versions import WIRE_VERSION
 #: Other packages of the distribution add subcommands here (``pdwire bootstrap``, ...) without
 #: pdwire importing them: each entry point names a module with ``add_parser(subparsers)``.
 COMMANDS_GROUP = "pdwire.commands"
-_KINDS = {"pull": XferMetadataV2, "response": XferResponseV2, "cancel": XferCancel}
+_KINDS = {
+    "pull": XferMetadataV2,
+    "response": XferResponseV2,
+    "cancel": XferCancel,
+    "heartbeat": LeaseHeartbeat,
+}
 _HEX = frozenset(string.hexdigits + string.whitespace)
 EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
 
@@ -190,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
         "decode",
         help="decode captured side-channel messages to JSON",
         description="Decode side-channel messages (raw msgpack, or hex) to JSON. The kind "
-        "(pull, response, cancel) is detected from the keys. Exit 1 if any input is invalid.",
+        "(pull, response, cancel, heartbeat) is detected from the keys. Exit 1 if any input is "
+        "invalid.",
     )
     p.add_argument("files", nargs="+", metavar="FILE", help="file to read, or - for stdin")
     p.add_argument("--max-size", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="BYTES")

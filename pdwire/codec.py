@@ -83,7 +83,7 @@ def _is_legacy(profile: Profile | Agreement) -> bool:
 
 
 def encode_pull(msg: XferMetadata, profile: Profile | Agreement = LEGACY) -> bytes:
-    """Encode a pull. ``legacy`` gives vLLM 0.33's exact bytes."""
+    """Encode a pull. ``legacy`` gives vLLM 0.34's exact bytes (0.33's are the same)."""
     return _encode_legacy_base(msg, profile, XferMetadata, _check_pull, sections.PULL)
 
 

@@ -1,10 +1,11 @@
 """The side-channel messages (spec §3) as msgspec structs.
 
-``XferMetadata`` and ``XferResponse`` hold exactly vLLM 0.33's fields, in its order, with its
-names, types and defaults, so their encoding is byte-identical to vLLM's (the map header too:
-msgspec writes a fixmap only for structs of at most 15 fields). The ``...V2`` subclasses append
-the pdwire/2 extension fields; every one has a default, so it is omitted unless set, and a legacy
-peer (msgspec ignores unknown map keys) never sees it. ``auth_tag`` is always the last field (§8.6).
+``XferMetadata`` and ``XferResponse`` hold exactly vLLM 0.34's fields (0.33's are the same), in
+its order, with its names, types and defaults, so their encoding is byte-identical to vLLM's
+(the map header too: msgspec writes a fixmap only for structs of at most 15 fields). The
+``...V2`` subclasses append the pdwire/2 extension fields; every one has a default, so it is
+omitted unless set, and a legacy peer (msgspec ignores unknown map keys) never sees it.
+``auth_tag`` is always the last field (§8.6). ``LeaseHeartbeat`` is vLLM 0.34's renewal.
 
 Each field's ``Meta`` carries its description, the version that introduced it (``x-since``) and
 its sender; the JSON schemas and the spec's field tables are generated from them.

@@ -13,7 +13,7 @@ Profile = Literal["legacy", "pdwire/2"]
 LEGACY: Final[Profile] = "legacy"
 PDWIRE_2: Final[Profile] = "pdwire/2"
 
-#: Wire version of each profile. Version 1 is what vLLM 0.33 speaks; it never announces it.
+#: Wire version of each profile. Version 1 is what vLLM 0.34 speaks; it never announces it.
 WIRE_VERSION: Final[dict[Profile, int]] = {LEGACY: 1, PDWIRE_2: 2}
 PROFILE_OF_VERSION: Final[dict[int, Profile]] = {v: p for p, v in WIRE_VERSION.items()}
 #: The highest wire version this library speaks.
