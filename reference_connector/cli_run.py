@@ -79,6 +79,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     split.add_argument("--prefill-pp", type=int, default=1, help="P's PP size (default 1)")
     split.add_argument("--decode-pp", type=int, default=1, help="D's PP size (default 1)")
     split.add_argument("--profile", choices=(LEGACY, PDWIRE_2), default=PDWIRE_2)
+    split.add_argument(
+        "--kv-lease-duration",
+        type=float,
+        metavar="S",
+        help="vLLM 0.34's KV lease on both nodes, seconds (§6.4; default: no lease)",
+    )
     for side in ("prefill", "decode"):
         split.add_argument(
             f"--{side}-agent",
@@ -197,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
             prefill_agent=args.prefill_agent,
             decode_agent=args.decode_agent,
             abort_timeout=args.abort_timeout or (_SOAK_ABORT_TIMEOUT if soaking else 480.0),
+            kv_lease_duration=args.kv_lease_duration,
         )
         soak_config = (
             soak.SoakConfig(
@@ -254,6 +261,9 @@ def _check_soak_options(args: argparse.Namespace) -> None:
         return
     if args.requests is not None:
         raise ValueError("--requests and --soak exclude each other: a soak sends for MINUTES")
+    lease = args.kv_lease_duration
+    if lease is not None and not lease > 0:
+        raise ValueError(f"kv_lease_duration must be positive, got {lease}.")
     if args.abort_timeout is not None and args.abort_timeout <= 0:
         raise ValueError(f"--abort-timeout must be more than 0, got {args.abort_timeout}")
     if args.drain_timeout is not None and args.drain_timeout <= 0:

@@ -130,6 +130,7 @@ class RunConfig:
     decode_agent: str = ""  # the D workers' agent factory; "" = pdwire's
     abort_timeout: float = 480.0  # both nodes' T (§6)
     receive_timeout: float | None = None  # D's, per pull; None = abort_timeout + 60
+    kv_lease_duration: float | None = None  # both nodes' lease (§6.4); None = no lease
 
     def __post_init__(self) -> None:
         for name in ("requests", "concurrency", "prompt_tokens", "max_tokens", "raw_repeats"):
@@ -349,6 +350,7 @@ class Deployment:
                 agent=agent,
                 abort_timeout=c.abort_timeout,
                 receive_timeout=c.receive_timeout,
+                kv_lease_duration=c.kv_lease_duration,
             )
         )
         if role == "prefill":

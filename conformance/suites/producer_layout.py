@@ -164,9 +164,13 @@ async def cache_key_has_six_fields(t: ProducerCtx) -> None:
     d_tp = 2 * t.p_tp  # so that two D TP ranks pair with P rank 0
     worker, other = t.worker(d_tp, 0), t.worker(d_tp, 1)
     layout_id = mint_layout_id()
-    (tid,) = await t.ready(1)
+    # The last pull of D rank 0 has a transfer of its own: a P that counts every pull it served
+    # (vLLM, 10.3.3) would free the first after two pulls of D rank 0.
+    tid, again = await t.ready(2)
     d_req, blocks = t.new_d_req(), worker.take(t.blocks_for())
+    d_again, blocks_again = t.new_d_req(), worker.take(t.blocks_for())
     other_blocks = other.take(t.blocks_for())
+    other_again = other.take(t.blocks_for())
     addr = t.addr(0)
     try:
         first = await t.pull(worker, addr, {d_req: (tid, [blocks])}, layout_id=layout_id)
@@ -207,12 +211,20 @@ async def cache_key_has_six_fields(t: ProducerCtx) -> None:
             assert r.terminal is not None
             expect_equal(r.terminal.err_msg, want, f"{name}: err_msg")
         same = await t.pull(
-            worker, addr, {d_req: (tid, [blocks])}, with_layout=False, layout_id=layout_id
+            worker,
+            addr,
+            {d_again: (again, [blocks_again])},
+            with_layout=False,
+            layout_id=layout_id,
         )
-        t.expect_ok(worker, addr, same, d_req)
-        # D rank 1's pull settles the transfer on P rank 0.
-        rest = await t.pull(other, addr, {d_req: (tid, [other_blocks])})
-        t.expect_ok(other, addr, rest, d_req)
+        t.expect_ok(worker, addr, same, d_again)
+        # D rank 1's pull settles both transfers on P rank 0.
+        reqs = {d_req: (tid, [other_blocks]), d_again: (again, [other_again])}
+        rest = await t.pull(other, addr, reqs)
+        for d in reqs:
+            t.expect_ok(other, addr, rest, d)
     finally:
         worker.give_back(blocks)
+        worker.give_back(blocks_again)
         other.give_back(other_blocks)
+        other.give_back(other_again)

