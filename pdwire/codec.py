@@ -171,27 +171,21 @@ def decode_response(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> XferResponseV2:
     """Decode a reply of either profile."""
-    msg = _decode(_response_decoder, data, max_size, "response")
-    _raise_decode(_check_response(msg), "response")
-    return msg
+    return _decode_checked(_response_decoder, _check_response, data, max_size, "response")
 
 
 def decode_cancel(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> XferCancel:
     """Decode a pdwire/2 cancel."""
-    msg = _decode(_cancel_decoder, data, max_size, "cancel")
-    _raise_decode(_check_cancel(msg), "cancel")
-    return msg
+    return _decode_checked(_cancel_decoder, _check_cancel, data, max_size, "cancel")
 
 
 def decode_heartbeat(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> LeaseHeartbeat:
     """Decode a lease renewal (vLLM 0.34)."""
-    msg = _decode(_heartbeat_decoder, data, max_size, "heartbeat")
-    _raise_decode(_check_heartbeat(msg), "heartbeat")
-    return msg
+    return _decode_checked(_heartbeat_decoder, _check_heartbeat, data, max_size, "heartbeat")
 
 
 #: Each kind by the key that tells it apart (3.1-R7), in the order they are looked for.
@@ -238,6 +232,19 @@ DECODERS: Final[dict[str, Callable[..., Any]]] = {
     "cancel": decode_cancel,
     "heartbeat": decode_heartbeat,
 }
+
+
+def _decode_checked(
+    decoder: msgspec.msgpack.Decoder[T],
+    check: Callable[[T], Problem],
+    data: Any,
+    max_size: int,
+    kind: str,
+) -> T:
+    """``data`` decoded, then held to the cross-field rules of its kind."""
+    msg = _decode(decoder, data, max_size, kind)
+    _raise_decode(check(msg), kind)
+    return msg
 
 
 def _decode(decoder: msgspec.msgpack.Decoder[T], data: Any, max_size: int, kind: str) -> T:

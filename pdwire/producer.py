@@ -33,7 +33,7 @@ from .events import (
     TransferWillNotSend,
     WriteCompleted,
 )
-from .messages import ErrorCode, Fingerprint, XferCancel, XferMetadataV2
+from .messages import ErrorCode, Fingerprint, LeaseHeartbeat, XferCancel, XferMetadataV2
 from .messages import XferResponseStatus as Status
 from .messages import XferResponseV2 as Reply
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
@@ -59,6 +59,11 @@ ABORT_REQUEST_TIMEOUT: Final = 480.0
 MAX_PEER_LAYOUTS: Final = 1024
 _CANCEL_KEY: Final = b"\xabcancel_reqs"  # the key as msgpack writes it: fixstr of 11 bytes
 _LEASE_KEY: Final = b"\xb2lease_transfer_ids"  # fixstr of 18 bytes
+#: The messages that are not pulls, by their key (3.1-R7): each one's decoder and handler.
+_OTHER_KINDS: Final = (
+    (_LEASE_KEY, decode_heartbeat, "_on_heartbeat"),
+    (_CANCEL_KEY, decode_cancel, "_on_cancel"),
+)
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 
@@ -316,22 +321,16 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             pull = decode_pull(ev.data, max_size=limit)
         except DecodeError as exc:
             error = exc
-            if _LEASE_KEY in ev.data:
+            for key, decode, handler in _OTHER_KINDS:
+                if key not in ev.data:
+                    continue
                 try:
-                    heartbeat = decode_heartbeat(ev.data, max_size=limit)
-                except DecodeError as heartbeat_error:
-                    error = heartbeat_error
-                else:
-                    self._on_heartbeat(ev.identity, heartbeat.lease_transfer_ids, now)
-                    return
-            elif _CANCEL_KEY in ev.data:
-                try:
-                    cancel = decode_cancel(ev.data, max_size=limit)
-                except DecodeError as cancel_error:
-                    error = cancel_error
-                else:
-                    self._on_cancel(ev, cancel, now)
-                    return
+                    msg = decode(ev.data, max_size=limit)
+                except DecodeError as other_error:
+                    error = other_error
+                    break
+                getattr(self, handler)(ev, msg, now)
+                return
             self._reply_error(
                 ev.identity, self._announced(ev.data), ErrorCode.BAD_MESSAGE, str(error)
             )
@@ -671,21 +670,21 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
 
     # -- lease (vLLM 0.34, §3.9, §6.4) --------------------------------------------------------
 
-    def _on_heartbeat(self, identity: bytes, transfer_ids: list[str], now: float) -> None:
+    def _on_heartbeat(self, ev: MessageReceived, heartbeat: LeaseHeartbeat, now: float) -> None:
         """Renew the lease of each named transfer whose blocks P holds. A renewal never makes a
         transfer: one P does not hold yet gets its lease when it finishes, one P freed stays
         freed."""
         lease = self.config.lease
         if lease is None:
-            self._reply_error(identity, None, ErrorCode.BAD_MESSAGE, msgs.LEASE_NOT_SET)
+            self._reply_error(ev.identity, None, ErrorCode.BAD_MESSAGE, msgs.LEASE_NOT_SET)
             return
         renewed_until = now + lease * 2 / 3
-        for transfer_id in transfer_ids:
+        for transfer_id in heartbeat.lease_transfer_ids:
             t = self._transfers.get(transfer_id)
             if t is not None and t.state is S.READY and t.expire_at < renewed_until:
                 t.expire_at = renewed_until
                 self._push(t.expire_at, "transfer", t.transfer_id)
-        self._reply(identity, None, Reply(Status.FINISH))
+        self._reply(ev.identity, None, Reply(Status.FINISH))
 
     # -- cancel (pdwire/2, §3.5) -------------------------------------------------------------
 

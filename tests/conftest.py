@@ -16,12 +16,14 @@ import pytest
 from conformance import ports
 
 #: The modules that take minutes (paths from the repository root). xdist gives the first two to
-#: the two workers, and the third to the first worker after the first: the vLLM servers of
-#: test_e2e.py start only once the mutant check has ended, since the two at once overload two
-#: cores (a node of the check once took over 120 s to start).
+#: the two workers, and the next ones to the first worker free: the release tier's vLLM nodes
+#: follow the self run, and the vLLM servers of test_e2e.py follow them, so that those servers
+#: start late in the mutant check and not beside the release tier (beside both, a node of the
+#: check once took over 120 s to start, and a pair case of test_e2e.py waited out its 60 s).
 LONGEST: Final = (
     "tests/harness/test_mutants.py",
     "tests/harness/test_self.py",
+    "tests/interop/test_vllm_conformance.py",
     "tests/vllm_connector/test_e2e.py",
 )
 

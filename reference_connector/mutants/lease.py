@@ -19,8 +19,8 @@ from . import mutant, replace
 
 @mutant("renewal-ignored", "prefill", "answers a lease renewal FINISH but moves no lease")
 def _renewal_ignored() -> None:
-    def on_heartbeat(self: ProducerSession, identity: bytes, ids: list[str], now: float) -> None:
-        self._reply(identity, None, Reply(Status.FINISH))
+    def on_heartbeat(self: ProducerSession, ev: Any, heartbeat: Any, now: float) -> None:
+        self._reply(ev.identity, None, Reply(Status.FINISH))
 
     replace(ProducerSession, "_on_heartbeat", on_heartbeat)
 
@@ -67,15 +67,15 @@ def _forgets_expired() -> None:
 def _renewal_creates_transfer() -> None:
     original = ProducerSession._on_heartbeat
 
-    def on_heartbeat(self: ProducerSession, identity: bytes, ids: list[str], now: float) -> None:
-        for transfer_id in ids:
+    def on_heartbeat(self: ProducerSession, ev: Any, heartbeat: Any, now: float) -> None:
+        for transfer_id in heartbeat.lease_transfer_ids:
             t = self._transfers.get(transfer_id)
             if t is None or t.state is not TransferState.READY:
                 self._transfers.pop(transfer_id, None)
                 placeholder = self._transfer(transfer_id)
                 self._remember(placeholder)
                 self._move(placeholder, TransferEvent.PULL_NAMED)
-        original(self, identity, ids, now)
+        original(self, ev, heartbeat, now)
 
     replace(ProducerSession, "_on_heartbeat", on_heartbeat)
 
@@ -84,11 +84,11 @@ def _renewal_creates_transfer() -> None:
 def _renewal_without_lease() -> None:
     original = ProducerSession._on_heartbeat
 
-    def on_heartbeat(self: ProducerSession, identity: bytes, ids: list[str], now: float) -> None:
+    def on_heartbeat(self: ProducerSession, ev: Any, heartbeat: Any, now: float) -> None:
         if self.config.lease is None:
-            self._reply(identity, None, Reply(Status.FINISH))
+            self._reply(ev.identity, None, Reply(Status.FINISH))
             return
-        original(self, identity, ids, now)
+        original(self, ev, heartbeat, now)
 
     replace(ProducerSession, "_on_heartbeat", on_heartbeat)
 
@@ -97,8 +97,8 @@ def _renewal_without_lease() -> None:
 def _heartbeat_unanswered() -> None:
     original = ProducerSession._on_heartbeat
 
-    def on_heartbeat(self: ProducerSession, identity: bytes, ids: list[str], now: float) -> None:
-        original(self, identity, ids, now)
+    def on_heartbeat(self: ProducerSession, ev: Any, heartbeat: Any, now: float) -> None:
+        original(self, ev, heartbeat, now)
         self._out.pop()
 
     replace(ProducerSession, "_on_heartbeat", on_heartbeat)
