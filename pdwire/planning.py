@@ -387,7 +387,8 @@ def _place(i: int, src: Region, dst: Region, s: _Shards) -> RegionPlan | PlanErr
         return RegionPlan(src, dst, 0, (s.p_rank % r) * lp, lp, s.write)
     k = s.d_size // s.p_size
     if lp != k * ld:
-        return _length_error(es.REGION_LENGTH_CONSUMER_RATIO, i, src, dst, tp_ratio=k)
+        # vLLM's ratio is negative when D's TP is the larger: its #6d prints it so.
+        return _length_error(es.REGION_LENGTH_CONSUMER_RATIO, i, src, dst, tp_ratio=-k)
     return RegionPlan(src, dst, (s.d_rank % k) * ld, 0, ld, s.write)
 
 

@@ -537,7 +537,7 @@ async def lengths_must_fit_the_tp_ratio(t: ProducerCtx) -> None:
         big,
         "D TP 2x, lengths not P's over the ratio",
         error_strings.REGION_LENGTH_CONSUMER_RATIO.format(
-            i=0, local=p_len, remote=bad[0], tp_ratio=2
+            i=0, local=p_len, remote=bad[0], tp_ratio=-2
         ),
         kv_block_lens=bad,
     )

@@ -325,7 +325,7 @@ def test_asymmetric_tp_needs_matching_region_counts() -> None:
             64,
             64,
             "Mooncake source KV region length does not match the consumer TP ratio at region 1: "
-            "local=64, remote=64, tp_ratio=2.",
+            "local=64, remote=64, tp_ratio=-2.",
         ),
     ],
 )
