@@ -245,8 +245,8 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             )
         try:
             target_ranks(self.config.side.tp_size, self.config.side.tp_rank, tp)
-        except ValueError:
-            return f"TP sizes {self.config.side.tp_size} and {tp} do not divide each other"
+        except ValueError as exc:
+            return str(exc)
         return ""
 
     def _targets(self, entry: EngineEntry) -> list[str]:

@@ -54,6 +54,15 @@ REGION_LENGTH_CONSUMER_RATIO: Final = (
     "Mooncake source KV region length does not match the consumer TP ratio at region {i}: "
     "local={local}, remote={remote}, tp_ratio={tp_ratio}."
 )
+# vLLM's assertion texts for TP sizes that do not divide (10.1.1), from the side that checks.
+TP_LOCAL_NOT_DIVISIBLE: Final = (
+    "Local tensor parallel size {local_tp} is not divisible by remote tensor parallel size "
+    "{remote_tp}."
+)
+TP_REMOTE_NOT_DIVISIBLE: Final = (
+    "Remote tensor parallel size {remote_tp} is not divisible by local tensor parallel size "
+    "{local_tp}."
+)
 READY_TIMEOUT: Final = "Timeout waiting for P side ready."
 KV_GROUP_COUNT_MISMATCH: Final = "KV group count mismatch"
 P_BLOCKS_LESS_THAN_D: Final = "P num blocks less than D"

@@ -200,12 +200,13 @@ def target_ranks(local_tp: int, local_rank: int, remote_tp: int) -> list[int]:
     range."""
     if local_tp < 1 or remote_tp < 1 or not 0 <= local_rank < local_tp:
         raise ValueError(f"invalid TP: rank {local_rank} of {local_tp}, remote size {remote_tp}")
+    sizes = {"local_tp": local_tp, "remote_tp": remote_tp}
     if local_tp >= remote_tp:
         if local_tp % remote_tp:
-            raise ValueError(f"TP sizes {local_tp} and {remote_tp} do not divide each other")
+            raise ValueError(es.TP_LOCAL_NOT_DIVISIBLE.format(**sizes))
         return [local_rank // (local_tp // remote_tp)]
     if remote_tp % local_tp:
-        raise ValueError(f"TP sizes {local_tp} and {remote_tp} do not divide each other")
+        raise ValueError(es.TP_REMOTE_NOT_DIVISIBLE.format(**sizes))
     k = remote_tp // local_tp
     return [local_rank * k + i for i in range(k)]
 

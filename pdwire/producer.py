@@ -449,8 +449,8 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         side = self.config.side
         try:
             paired = target_ranks(side.tp_size, side.tp_rank, msg.remote_tp_size)
-        except ValueError:
-            paired = []
+        except ValueError as exc:  # TP sizes that do not divide: vLLM's own text (10.1.1)
+            return ErrorCode.TP_RANK_NOT_PAIRED, str(exc), Status.ERROR
         if msg.remote_tp_rank not in paired:
             message = msgs.TP_RANK_NOT_PAIRED.format(
                 d_tp_rank=msg.remote_tp_rank, p_tp_rank=side.tp_rank, expected=paired

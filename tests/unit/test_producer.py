@@ -96,7 +96,7 @@ def frees(out: list[object]) -> list[tuple[str, FreeReason]]:
 @BOTH
 @pytest.mark.parametrize(
     ("p_tp", "p_rank", "d_tp", "d_rank", "expected"),
-    [(2, 0, 4, 2, [0, 1]), (4, 3, 2, 0, [1]), (2, 1, 2, 0, [1]), (2, 0, 3, 0, [])],
+    [(2, 0, 4, 2, [0, 1]), (4, 3, 2, 0, [1]), (2, 1, 2, 0, [1])],
 )
 def test_unpaired_tp_rank_is_an_error(
     d: DPeer, p_tp: int, p_rank: int, d_tp: int, d_rank: int, expected: list[int]
@@ -110,6 +110,26 @@ def test_unpaired_tp_rank_is_an_error(
         f"This D tp_rank {d_rank} is not paired with P tp_rank {p_rank}; expected one of "
         f"{expected}."
     )
+    expect_code(d, reply, ErrorCode.TP_RANK_NOT_PAIRED, per_request=False)
+    assert (p.session.open_pulls, p.session.state_of("x1")) == (0, None)
+
+
+@BOTH
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "message"),
+    [
+        (2, 3, "Remote tensor parallel size 3 is not divisible by local tensor parallel size 2."),
+        (3, 2, "Local tensor parallel size 3 is not divisible by remote tensor parallel size 2."),
+    ],
+)
+def test_tp_sizes_that_do_not_divide_get_vllms_text(
+    d: DPeer, p_tp: int, d_tp: int, message: str
+) -> None:
+    """10.1.1: vLLM's P answers such a pull ERROR with its assertion's text; so does pdwire's."""
+    p = Driver(producer(tp=p_tp, rank=0))
+    d = dataclasses.replace(d, side=d_side(d_tp, 0))
+    reply = only_reply(p(MessageReceived(b"i", d.pull({"r1": ("x1", [[0]])}))), b"i")
+    assert (reply.status, reply.err_msg) == (ERROR, message)
     expect_code(d, reply, ErrorCode.TP_RANK_NOT_PAIRED, per_request=False)
     assert (p.session.open_pulls, p.session.state_of("x1")) == (0, None)
 
