@@ -46,7 +46,7 @@ from .messages import (
 from .messages import XferResponseStatus as Status
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
 from .planning import Side, layout_of, target_ranks
-from .session import Session, Timer
+from .session import Session, Timer, check_lease
 from .transitions import LOAD_TRANSITIONS, LoadEvent, LoadState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
 
@@ -83,8 +83,7 @@ class ConsumerConfig:
     auth_key: bytes | None = None
 
     def __post_init__(self) -> None:
-        if self.lease is not None and not self.lease > 0:
-            raise ValueError(f"kv_lease_duration must be positive, got {self.lease}.")
+        check_lease(self.lease)
 
 
 @dataclasses.dataclass(slots=True)
@@ -186,11 +185,10 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         by_engine: dict[str, list[LoadRequest]] = defaultdict(list)
         for req in ev.requests:
             if any(req.blocks):
-                self._lease(
-                    RequestQueued(req.d_req_id, req.transfer_id, req.engine_id, req.bootstrap_addr),
-                    now,
-                    keep=True,
+                queued = RequestQueued(
+                    req.d_req_id, req.transfer_id, req.engine_id, req.bootstrap_addr
                 )
+                self._lease(queued, now)
             else:  # a release-only pull settles P's side: nothing left to renew
                 self._leases.pop(req.d_req_id, None)
             load = self._loads[req.d_req_id] = _Load(req)
@@ -582,13 +580,13 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         return self.config.lease / 6
 
     def _on_queued(self, ev: RequestQueued, now: float) -> None:
-        self._lease(ev, now, keep=False)
+        self._lease(ev, now)
 
-    def _lease(self, req: RequestQueued, now: float, *, keep: bool) -> None:
-        """Renew ``req``'s lease from now on; ``keep``: unless it is renewed already."""
-        if self.config.lease is None or (keep and req.d_req_id in self._leases):
+    def _lease(self, req: RequestQueued, now: float) -> None:
+        """Renew ``req``'s lease from now on, unless D renews it already."""
+        if self.config.lease is None:
             return
-        self._leases[req.d_req_id] = req
+        self._leases.setdefault(req.d_req_id, req)
         if self._heartbeat_at is None:
             self._heartbeat_at = max(now, self._last_heartbeat + self._renewal_period)
             self._push(self._heartbeat_at, "heartbeat", None)

@@ -70,6 +70,8 @@ ENGINE_RETURNED: Final = "Mooncake transfer engine returned {ret}"
 # vLLM 0.34: a pull for a transfer P expired, and a renewal sent to a P without a lease (§3.9).
 EXPIRED: Final = "KV expired on P side before the pull."
 LEASE_NOT_SET: Final = "kv_lease_duration is not set on this prefill instance."
+# vLLM 0.34's refusal of a lease that is not positive, at start-up (§6.4).
+LEASE_NOT_POSITIVE: Final = "kv_lease_duration must be positive, got {duration}."
 
 # -- pdwire/2 (§7.2); WILL_NOT_SEND also goes to legacy D's, with FINISH and err_reqs -----------
 WILL_NOT_SEND: Final = "Prefill will not send KV for this request."

@@ -48,7 +48,7 @@ from .planning import (
     regions_of_pull,
     target_ranks,
 )
-from .session import Session, Timer
+from .session import Session, Timer, check_lease
 from .transitions import TERMINAL, TRANSFER_TRANSITIONS, TransferEvent, TransferState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
 
@@ -88,8 +88,7 @@ class ProducerConfig:
     max_message_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.lease is not None and not self.lease > 0:
-            raise ValueError(f"kv_lease_duration must be positive, got {self.lease}.")
+        check_lease(self.lease)
 
 
 @dataclasses.dataclass(slots=True)

@@ -9,10 +9,20 @@ import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
+from . import error_strings
+
 In = TypeVar("In")
 Out = TypeVar("Out")
 
 Timer = tuple[float, int, str, Any]  # (when, sequence, kind, what)
+
+
+def check_lease(duration: float | None) -> float | None:
+    """A ``kv_lease_duration`` (§6.4): None (no lease) or positive; ``ValueError`` with vLLM
+    0.34's message otherwise."""
+    if duration is not None and not duration > 0:
+        raise ValueError(error_strings.LEASE_NOT_POSITIVE.format(duration=float(duration)))
+    return duration
 
 
 class Session(Generic[In, Out]):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdwire.auth import read_key_file
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
+from pdwire.session import check_lease
 from pdwire.versions import LEGACY, PDWIRE_2
 
 from .cli_common import serve, standalone
@@ -237,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdwire node: {exc}", file=sys.stderr)
         return 2
     try:
+        check_lease(args.kv_lease_duration)
         shape = KVShape(
             num_layers=args.layers,
             num_kv_heads=args.kv_heads,
@@ -253,10 +255,6 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)
-        return 2
-    lease = args.kv_lease_duration
-    if lease is not None and not lease > 0:
-        print(f"pdwire node: kv_lease_duration must be positive, got {lease}.", file=sys.stderr)
         return 2
     if key is not None and args.profile == LEGACY:
         print("pdwire node: the legacy profile cannot carry auth_tag (§8.6)", file=sys.stderr)

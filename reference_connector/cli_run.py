@@ -12,6 +12,7 @@ import sys
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from pdwire.session import check_lease
 from pdwire.versions import LEGACY, PDWIRE_2
 
 if TYPE_CHECKING:  # the deployment's modules load only when it runs: they bring torch
@@ -182,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_soak_options(args)
+        check_lease(args.kv_lease_duration)
         config = RunConfig(
             requests=option("requests"),
             concurrency=args.concurrency,
@@ -261,9 +263,6 @@ def _check_soak_options(args: argparse.Namespace) -> None:
         return
     if args.requests is not None:
         raise ValueError("--requests and --soak exclude each other: a soak sends for MINUTES")
-    lease = args.kv_lease_duration
-    if lease is not None and not lease > 0:
-        raise ValueError(f"kv_lease_duration must be positive, got {lease}.")
     if args.abort_timeout is not None and args.abort_timeout <= 0:
         raise ValueError(f"--abort-timeout must be more than 0, got {args.abort_timeout}")
     if args.drain_timeout is not None and args.drain_timeout <= 0:

@@ -57,6 +57,7 @@ from pdwire.consumer import LOAD_DEADLINE
 from pdwire.errors import LocalProtocolError
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.producer import ABORT_REQUEST_TIMEOUT
+from pdwire.session import check_lease
 from pdwire.versions import PDWIRE_2, Profile, check_profile
 
 DEFAULT_BOOTSTRAP_TIMEOUT: Final = 30.0
@@ -111,9 +112,10 @@ def _lease(extra: Mapping[str, Any]) -> float | None:
         duration = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"kv_connector_extra_config.kv_lease_duration: {value!r}") from None
-    if not duration > 0:
-        raise ConfigError(f"kv_lease_duration must be positive, got {duration}.")
-    return duration
+    try:
+        return check_lease(duration)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _text(extra: Mapping[str, Any], key: str, default: str) -> str:

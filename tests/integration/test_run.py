@@ -129,6 +129,15 @@ def test_bad_geometry_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "TP 3 must divide the 8 KV heads" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra", [(), ("--soak", "1")])
+def test_a_lease_that_is_not_positive_is_a_usage_error(
+    extra: tuple[str, ...], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """§6.4: refused before any node starts, with vLLM 0.34's message, with or without --soak."""
+    assert cli_run.main(["--kv-lease-duration", "0", *extra]) == cli_run.EXIT_USAGE
+    assert "kv_lease_duration must be positive, got 0.0." in capsys.readouterr().err
+
+
 def test_pdwire_run_help(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
