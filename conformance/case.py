@@ -36,6 +36,7 @@ class Verdict(enum.StrEnum):
     INFORMATIONAL = "informational"
     UNSUPPORTED = "unsupported"
     SKIPPED = "skipped"
+    BLOCKED = "blocked"  # not run: the testee stopped serving after an earlier case
 
 
 class Suite(enum.StrEnum):
@@ -137,6 +138,9 @@ class Case:
     func: CaseFunc
     caught_by: tuple[str, ...] = ()  # mutants of the reference testee that this case catches
     risk: int | None = None  # the known risk (facts file section 10) it guards against
+    #: the case may leave a testee that follows the legacy profile unable to serve (vLLM's P
+    #: stops its listener for good on a message of three frames): a run puts it last
+    breaks_testee: bool = False
 
     @property
     def section(self) -> str:
@@ -158,6 +162,7 @@ def case(
     timeout: float = 10.0,
     caught_by: tuple[str, ...] = (),
     risk: int | None = None,
+    breaks_testee: bool = False,
 ) -> Callable[[Callable[[Ctx], Awaitable[None]]], Callable[[Ctx], Awaitable[None]]]:
     """Register the decorated coroutine function as the case ``case_id``, which checks
     ``requirement`` (quoted in its report) and also ``covers``. Its docstring's first line is
@@ -189,6 +194,7 @@ def case(
             func=func,
             caught_by=caught_by,
             risk=risk,
+            breaks_testee=breaks_testee,
         )
         return func
 

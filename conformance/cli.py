@@ -373,6 +373,7 @@ def cmd_list(args: argparse.Namespace) -> int:
                         "requirement": c.requirement.id,
                         "covers": list(c.covers),
                         "title": c.title,
+                        "breaks_testee": c.breaks_testee,
                     }
                 )
             )

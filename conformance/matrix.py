@@ -18,7 +18,12 @@ counts: "unsupported" is not "failed".
                    "url": "http://{host}:{port}", "bootstrap": "http://{host}:{bootstrap_port}",
                    "ready": ["{url}/health", "{bootstrap}/query"]},
        "decode": {...}}],
-     "cases": ["pair/*"], "timeout": 10, "start_timeout": 120}
+     "cases": ["pair/*"], "timeout": 10, "start_timeout": 120, "gate": "pair/5.2/1"}
+
+``gate`` (optional) names a case each cell runs first: when the pair fails it, the cell's other
+cases are blocked, each naming the gate and what the gate saw (the last side-channel messages
+between the pair with their error texts), so a pair that cannot transfer at all costs one case's
+timeout, not every case's.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from typing import Any, Final
 
 import httpx
 
-from .case import Case, Suite, all_cases
+from .case import Case, Suite, Verdict, WireLog, all_cases
 from .peers.http import probe
 from .ports import free_port
 from .runner import (
@@ -90,6 +95,7 @@ class Manifest:
     cases: tuple[str, ...] = ("pair/*",)
     timeout: float = DEFAULT_REQUEST_TIMEOUT  # per reply or answer, as --timeout
     start_timeout: float = 120.0
+    gate: str = ""  # a case run first; when it fails, the cell's other cases are blocked
 
 
 def _launch(where: str, role: str, doc: Any) -> Launch:
@@ -143,11 +149,15 @@ def load_manifest(path: str | Path) -> Manifest:
     if len(set(names)) != len(names):
         raise ManifestError(f"{path}: implementation names repeat: {names}")
     cases = doc.get("cases", ["pair/*"])
+    gate = doc.get("gate", "")
+    if gate and not any(c.id == gate and c.suite is Suite.PAIR for c in all_cases()):
+        raise ManifestError(f"{path}: gate {gate!r} is not a case of the pair suite")
     return Manifest(
         tuple(impls),
         tuple([cases] if isinstance(cases, str) else cases),
         float(doc.get("timeout", DEFAULT_REQUEST_TIMEOUT)),
         float(doc.get("start_timeout", 120.0)),
+        str(gate),
     )
 
 
@@ -296,14 +306,43 @@ async def run_cell(
             observer_host=host,
         )
         progress = Progress(len(cases), quiet=quiet)
+        first = [c for c in cases if c.id == manifest.gate]
+        rest = [c for c in cases if c.id != manifest.gate]
         try:
-            cell.results = await run_pair(options, cases, run_options, progress)
+            cell.results = await run_pair(options, first, run_options, progress)
+            if any(r.verdict is Verdict.FAIL for r in cell.results):
+                saw = gate_detail(cell.results[0])
+                why = f"not run: the pair failed the gate {manifest.gate}: {saw}"
+                cell.results += [Result(c, Verdict.BLOCKED, 0.0, why, WireLog()) for c in rest]
+            else:
+                cell.results += await run_pair(options, rest, run_options, progress)
         except RuntimeError as exc:
             cell.error = str(exc)
     finally:
         await asyncio.gather(*(asyncio.to_thread(r.stop) for r in running))
         cell.duration_s = round(time.monotonic() - began, 2)
     return cell
+
+
+def gate_detail(result: Result, last: int = 3) -> str:
+    """What a failed gate saw: its detail, and the error texts of the side-channel messages it
+    relayed last."""
+    seen = []
+    for entry in result.log.entries:
+        data = entry.data
+        if isinstance(data, str):
+            with contextlib.suppress(ValueError):
+                data = json.loads(data)
+        text = data.get("err_msg") if isinstance(data, dict) else None
+        said = f"{entry.channel.split(' via ')[0]} {entry.what}: {text}" if text else ""
+        if entry.what.startswith("PROBLEM"):
+            said = entry.what
+        if said and said not in seen:
+            seen.append(said)
+    tail = "; ".join(seen[-last:])
+    return f"{result.detail.splitlines()[0] if result.detail else ''}" + (
+        f" ({tail})" if tail else ""
+    )
 
 
 def render(cells: Sequence[Cell], prefills: Sequence[str], decodes: Sequence[str]) -> str:

@@ -29,6 +29,9 @@ TRIES = 2
 #: How many mutants of the suites that start a testee of their own for each case (registration)
 #: are checked side by side: they share nothing, and most of each is waiting for P to start.
 SIDE_BY_SIDE = 3
+#: Every case that names a mutant must fail on its own, whatever a case before it did to the
+#: testee: strict, and no case blocked by an earlier one.
+_EVERY_CASE = RunOptions(strict=True, probe=False)
 
 
 @dataclasses.dataclass
@@ -48,7 +51,7 @@ async def _on_own_node(
     name: str, role: str, cases: Sequence[Case], timeout: float, layout: Layout
 ) -> dict[str, str]:
     async with testbed(roles_for(cases), layout, mutant=name, role=role) as bed:
-        results = await run_suites(bed, cases, RunOptions(strict=True), None, timeout)
+        results = await run_suites(bed, cases, _EVERY_CASE, None, timeout)
     return {r.case.id: r.verdict.value for r in results}
 
 
@@ -58,7 +61,7 @@ async def _switched(
     node = bed.nodes[role]
     await asyncio.to_thread(node.set_mutant, name)
     try:
-        results = await run_suites(bed, cases, RunOptions(strict=True), None, timeout)
+        results = await run_suites(bed, cases, _EVERY_CASE, None, timeout)
     finally:
         if node.alive():
             await asyncio.to_thread(node.set_mutant, "")

@@ -43,6 +43,7 @@ def case_record(r: Result) -> dict[str, Any]:
         "known_flaky": r.known_flaky,
         "unexpected": r.unexpected,
         "risk": c.risk,
+        "breaks_testee": c.breaks_testee,
         "wirelog": [
             {**dataclasses.asdict(e), "t": round(e.t, 4), "data": _jsonable(e.data)}
             for e in r.log.entries

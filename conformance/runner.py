@@ -9,9 +9,9 @@ import fnmatch
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Final, Protocol, TextIO
 
 from .case import Case, CaseFailed, Skip, Suite, Unsupported, Verdict, WireLog
 from .requirements import Level
@@ -32,6 +32,9 @@ class RunOptions:
     known_failing: frozenset[str] = frozenset()  # globs; such a case must fail, and may
     known_flaky: frozenset[str] = frozenset()  # globs; such a case may fail
     timeout_scale: float = 1.0  # multiplies every case's timeout
+    #: after a failed case, ask the testee whether it still serves, and block the cases left
+    #: when it does not; off where every case must run whatever the ones before did (mutants)
+    probe: bool = True
 
 
 @dataclasses.dataclass
@@ -46,7 +49,10 @@ class Result:
 
     @property
     def unexpected(self) -> bool:
-        """A failure nobody expected, or a known-failing case that no longer fails."""
+        """A failure nobody expected, a known-failing case that no longer fails, or a case the
+        run could not check because the testee stopped serving."""
+        if self.verdict is Verdict.BLOCKED:
+            return True
         if self.known_failing:
             return self.verdict is not Verdict.FAIL
         return self.verdict is Verdict.FAIL and not self.known_flaky
@@ -143,23 +149,56 @@ class Progress:
         print(line, file=self.stream, flush=True)
 
 
+#: Verdicts after which a run asks whether the testee still serves.
+_FAILED: Final = frozenset({Verdict.FAIL, Verdict.NON_STRICT, Verdict.INFORMATIONAL})
+
+#: Asks a testee something it answers whenever it serves: None when it answered, else what
+#: went wrong.
+Probe = Callable[[], Awaitable[str | None]]
+
+
+def in_run_order(cases: Iterable[Case]) -> list[Case]:
+    """``cases`` in their order, but those that may break a testee last."""
+    return sorted(cases, key=lambda c: c.breaks_testee)
+
+
+def blocked(case: Case, after: Result, why: str) -> Result:
+    """``case``, not run because the testee stopped serving after ``after``."""
+    detail = f"not run: the testee stopped serving after {after.case.id}: {why}"
+    return Result(case, Verdict.BLOCKED, 0.0, detail, WireLog())
+
+
 async def run_cases(
     cases: Sequence[Case],
     ctx_for: Callable[[WireLog], Any],
     options: RunOptions,
     on_result: Callable[[Result], None] | None = None,
+    serving: Probe | None = None,
 ) -> list[Result]:
-    results = []
-    for case in cases:
+    """Run ``cases`` one by one. After a case that failed, ``serving`` asks the testee whether
+    it still serves; when it does not, the cases left are ``blocked`` at once instead of each
+    waiting out its timeout."""
+    results: list[Result] = []
+    for i, case in enumerate(cases):
         result = await run_case(case, ctx_for, options)
         results.append(result)
         if on_result is not None:
             on_result(result)
+        if serving is None or result.verdict not in _FAILED or i == len(cases) - 1:
+            continue
+        why = await serving()
+        if why is not None:
+            for rest in cases[i + 1 :]:
+                results.append(blocked(rest, result, why))
+                if on_result is not None:
+                    on_result(results[-1])
+            break
     return results
 
 
 class SuiteEnv(Protocol):
-    """What a suite's world does around its cases: open before them, close after them."""
+    """What a suite's world does around its cases: open before them, close after them. A world
+    that can tell whether its testee still serves has ``serving`` too (a ``Probe``)."""
 
     async def open(self) -> None: ...
 
@@ -177,8 +216,9 @@ async def run_suite(
     """Open ``env``, run the cases of ``suite`` in it, close it."""
     try:
         await env.open()
-        chosen = [c for c in cases if c.suite is suite]
-        return await run_cases(chosen, ctx_for, options, on_result)
+        chosen = in_run_order(c for c in cases if c.suite is suite)
+        probe: Probe | None = getattr(env, "serving", None) if options.probe else None
+        return await run_cases(chosen, ctx_for, options, on_result, probe)
     finally:
         await env.close()
 

@@ -2,10 +2,10 @@
 
 | variant (seen in) | what decoding fills in |
 |---|---|
-| flat block lists ``(transfer_id, [ids])`` (vLLM <= 0.14) | ``[[ids]]``: one KV-cache group |
-| no ``block_lens`` / ``kv_block_lens`` (vLLM <= 0.14) | ``[]``: P uses its own layout |
-| no ``registered_*`` layer metadata (vLLM <= 0.14) | ``[]``: regions pair by position |
-| no ``remote_pp_size`` (before heterogeneous PP) | ``1`` |
+| flat block lists ``(transfer_id, [ids])`` (vLLM 0.16 to 0.19) | ``[[ids]]``: one KV-cache group |
+| no ``block_lens`` (to 0.18) / ``kv_block_lens`` (to 0.24) | ``[]``: P uses its own layout |
+| no ``registered_*`` layer metadata (vLLM 0.16 to 0.23) | ``[]``: regions pair by position |
+| no ``remote_pp_size`` (vLLM 0.16 to 0.29) | ``1`` |
 | no ``layout_id`` (vLLM <= 0.32) | ``0``: the layout travels on every pull |
 
 The last three are plain msgspec defaults and need no upgrade; the first two are upgraded here.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-#: Fields a pull of vLLM <= 0.14 may lack; each becomes an empty list.
+#: Fields a pull of vLLM 0.16 to 0.24 may lack; each becomes an empty list.
 OPTIONAL_IN_OLDER: Final = ("block_lens", "kv_block_lens")
 #: The trait of a pull whose block lists are flat: they are wrapped into one group.
 FLAT_BLOCK_LISTS: Final = "flat-block-lists"

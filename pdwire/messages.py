@@ -21,9 +21,14 @@ import msgspec
 from msgspec import Meta
 from pydantic import Field
 
-# Version labels used in ``x-since``.
-V0: Final = "legacy (vLLM <= 0.14)"
-V_LEGACY: Final = "legacy (vLLM 0.32)"
+# Version labels used in ``x-since``: the vLLM release whose wheel first has the field. 0.16 is
+# the first with these messages; 0.14 and 0.15 spoke another one (§3.8).
+V016: Final = "legacy (vLLM 0.16)"
+V019: Final = "legacy (vLLM 0.19)"
+V024: Final = "legacy (vLLM 0.24)"
+V025: Final = "legacy (vLLM 0.25)"
+V030: Final = "legacy (vLLM 0.30)"
+V032: Final = "legacy (vLLM 0.32)"
 V033: Final = "legacy (vLLM 0.33)"
 V034: Final = "legacy (vLLM 0.34)"
 V2: Final = "pdwire/2"
@@ -115,47 +120,47 @@ class XferMetadata(msgspec.Struct, omit_defaults=True):
     Exactly vLLM 0.33's fields; ``remote_*`` fields describe the sender, D, to P.
     """
 
-    remote_hostname: Annotated[str, _doc("D's IP address or host name.", V0)]
-    remote_port: Annotated[int, Meta(ge=1, le=65535), _doc("D's transfer-engine RPC port.", V0)]
-    remote_tp_size: Annotated[int, Meta(ge=1), _doc("D's tensor-parallel world size.", V0)]
-    remote_tp_rank: Annotated[int, Meta(ge=0), _doc("The sending D worker's TP rank.", V0)]
+    remote_hostname: Annotated[str, _doc("D's IP address or host name.", V016)]
+    remote_port: Annotated[int, Meta(ge=1, le=65535), _doc("D's transfer-engine RPC port.", V016)]
+    remote_tp_size: Annotated[int, Meta(ge=1), _doc("D's tensor-parallel world size.", V016)]
+    remote_tp_rank: Annotated[int, Meta(ge=0), _doc("The sending D worker's TP rank.", V016)]
     req_blocks: Annotated[
         dict[str, tuple[str, BlockIds]],
         _doc(
             "Per D request id: (transfer_id, D's destination block ids per KV-cache group). "
-            "Empty block lists mean 'nothing to load, release P'.",
-            V0,
+            "Empty block lists mean 'nothing to load, release P'. One flat list before vLLM 0.20.",
+            V016,
         ),
     ]
     kv_caches_base_addr: Annotated[
         list[NonNegInt],
-        _doc("Per registered region: D's base address. Empty when the layout is omitted.", V0),
+        _doc("Per registered region: D's base address. Empty when the layout is omitted.", V016),
     ]
     block_lens: Annotated[
-        list[NonNegInt], _doc("Per region: byte stride between consecutive blocks.", V_LEGACY)
+        list[NonNegInt], _doc("Per region: byte stride between consecutive blocks.", V019)
     ]
     kv_block_lens: Annotated[
-        list[NonNegInt], _doc("Per region: payload bytes per block (<= stride).", V_LEGACY)
+        list[NonNegInt], _doc("Per region: payload bytes per block (<= stride).", V025)
     ]
     registered_layer_names: Annotated[
-        list[str], _doc("Per region: layer name; names may repeat.", V_LEGACY)
+        list[str], _doc("Per region: layer name; names may repeat.", V024)
     ] = msgspec.field(default_factory=list)
-    registered_layer_indices: Annotated[
-        list[NonNegInt], _doc("Per region: layer index.", V_LEGACY)
-    ] = msgspec.field(default_factory=list)
+    registered_layer_indices: Annotated[list[NonNegInt], _doc("Per region: layer index.", V024)] = (
+        msgspec.field(default_factory=list)
+    )
     registered_group_indices: Annotated[
         list[Annotated[int, Meta(ge=-1)]],
-        _doc("Per region: KV-cache group index; -1 = packed region shared by groups.", V_LEGACY),
+        _doc("Per region: KV-cache group index; -1 = packed region shared by groups.", V025),
     ] = msgspec.field(default_factory=list)
     registered_shared_group_ids: Annotated[
         list[list[NonNegInt]],
-        _doc("Per region: the groups sharing it. Empty = not sent.", V_LEGACY),
+        _doc("Per region: the groups sharing it. Empty = not sent.", V032),
     ] = msgspec.field(default_factory=list)
     registered_row_offsets: Annotated[
         list[Annotated[int, Meta(ge=-1)]],
-        _doc("Per region: byte offset inside its block row; -1 = not a packed-row view.", V_LEGACY),
+        _doc("Per region: byte offset inside its block row; -1 = not a packed-row view.", V032),
     ] = msgspec.field(default_factory=list)
-    remote_pp_size: Annotated[int, Meta(ge=1), _doc("D's pipeline-parallel size.", V_LEGACY)] = 1
+    remote_pp_size: Annotated[int, Meta(ge=1), _doc("D's pipeline-parallel size.", V030)] = 1
     layout_id: Annotated[
         int,
         Meta(ge=0, le=2**63 - 1),
@@ -188,12 +193,14 @@ class XferResponse(msgspec.Struct, omit_defaults=True):
     """One reply on a pull, P -> D (§3.4): zero or more CONTINUE then FINISH, or one ERROR or
     LAYOUT_MISS. Exactly vLLM 0.33's fields."""
 
-    status: Annotated[XferResponseStatus, _doc("Status of this reply (§3.3).", V0)]
+    status: Annotated[XferResponseStatus, _doc("Status of this reply (§3.3).", V016)]
     ok_reqs: Annotated[
-        list[str] | None, _doc("D request ids written successfully in this round.", V0)
+        list[str] | None, _doc("D request ids written successfully in this round.", V016)
     ] = None
-    err_reqs: Annotated[list[str] | None, _doc("D request ids failed in this round.", V0)] = None
-    err_msg: Annotated[str | None, _doc("Human-readable error; several joined by '; '.", V0)] = None
+    err_reqs: Annotated[list[str] | None, _doc("D request ids failed in this round.", V016)] = None
+    err_msg: Annotated[str | None, _doc("Human-readable error; several joined by '; '.", V016)] = (
+        None
+    )
     layout_id: Annotated[
         int, Meta(ge=0, le=2**63 - 1), _doc("Echo of the pull's layout_id once P holds it.", V033)
     ] = 0

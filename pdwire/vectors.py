@@ -303,7 +303,7 @@ def _pull_vectors() -> list[Vector]:
         ),
         _older(
             "pull-older-flat-blocks",
-            "vLLM <= 0.14: flat block lists, no lens, no layer metadata.",
+            "vLLM 0.16 to 0.18: flat block lists, no lens, no layer metadata.",
             oldest,
         ),
         _older("pull-older-no-block-lens", "No block_lens or kv_block_lens.", no_lens),

@@ -118,6 +118,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--load-timeout", type=float, default=120.0, help="decode: seconds to wait for P's KV"
     )
     p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="refuse chat completions (HTTP 400), as vLLM does for a model whose tokenizer has "
+        "no chat template",
+    )
+    p.add_argument(
         "--no-verify-kv",
         action="store_true",
         help="decode: decode from whatever bytes P wrote, as an engine with a real model does, "
@@ -298,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
             kv_lease_duration=args.kv_lease_duration,
             mutant=args.mutant,
             verify_kv=not args.no_verify_kv,
+            chat_template=not args.no_chat_template,
             mutant_control=args.mutant_control,
             prefill_delay=args.prefill_delay,
             auth_key=key,

@@ -77,6 +77,9 @@ class NodeConfig:
     kv_lease_duration: float | None = None  # vLLM 0.34's lease (§6.4); None = no lease
     mutant: str = ""  # applied in every worker; the front applies it itself (cli_node)
     verify_kv: bool = True  # decode: fail a load whose bytes are not the prompt's KV
+    #: False: chat completions are refused, as vLLM refuses them for a model whose tokenizer has
+    #: no chat template
+    chat_template: bool = True
     mutant_control: bool = False  # serve POST /pdwire/mutant (testing the harness only)
     auth_key: bytes | None = None  # §8.6: sign and check side-channel messages and registrations
     prefill_delay: float = 0.0  # prefill: seconds a remote prefill pretends to compute

@@ -24,6 +24,12 @@ from .node_worker import WorkerError
 
 logger = logging.getLogger(__name__)
 
+#: vLLM's answer to a chat completion for a model whose tokenizer has no chat template (HTTP 400).
+NO_CHAT_TEMPLATE = (
+    "As of transformers v4.44, default chat template is no longer allowed, so you must provide "
+    "a chat template if the tokenizer does not define one."
+)
+
 
 def _error(exc: NodeError) -> JSONResponse:
     body = {
@@ -243,6 +249,8 @@ def create_app(engine: NodeEngine) -> FastAPI:
             return _error(NodeError(400, "the body is not JSON"))
         if not isinstance(body, dict):
             return _error(NodeError(400, "the body is not a JSON object"))
+        if chat and not engine.config.chat_template:
+            return _error(NodeError(400, NO_CHAT_TEMPLATE))
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         reply = _Reply(rid, str(body.get("model") or model), chat)
         try:

@@ -54,7 +54,7 @@ async def reply_with_a_bad_tag_fails_the_request(t: ConsumerCtx) -> None:
     fake = await t.fake_p()
     for what, tag in (("without auth_tag", None), ("signed with another key", b"other")):
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         fake.write(rx)
         ok = [rx.d_req(leg.transfer_id)]
         if tag is None:

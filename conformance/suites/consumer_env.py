@@ -105,6 +105,25 @@ class ConsumerEnv:
     def next_id(self) -> int:
         return next(self._ids)
 
+    async def serving(self) -> str | None:
+        """Whether D still serves (``runner.Probe``): a plain request from a new fake P is
+        pulled, served and answered within the run's wait."""
+        t = ConsumerCtx(self, WireLog())
+        try:
+            fake = await t.fake_p()
+            leg = t.start(fake)
+            await t.serve_until_done(fake, [leg])
+            got = await leg.result()
+        except CaseFailed as exc:
+            return f"a plain request to D did not complete: {exc.detail}"
+        finally:
+            await t.close()
+        if got.status == 0:
+            return f"D did not answer a plain request ({got.error})"
+        if not got.ok:
+            return f"D answered a plain request with HTTP {got.status} {got.body!r}"
+        return None
+
 
 @dataclasses.dataclass
 class Leg:
@@ -307,9 +326,14 @@ class ConsumerCtx:
             f"text {got.text()!r}: D decoded anyway, or recomputed the prompt",
         )
 
+    async def pull_of(self, fake: FakeP, leg: Leg, timeout: float | None = None) -> Received:
+        """D's next pull at ``fake`` that names ``leg``'s transfer: a late pull for a request
+        of an earlier leg is not taken for it."""
+        return await self.pull(fake, timeout, match=lambda r: names(r, leg.transfer_id))
+
     async def serve_leg(self, fake: FakeP, leg: Leg) -> Received:
         """D's pull for ``leg``, served with written bytes and FINISH."""
-        rx = await self.pull(fake, match=lambda r: names(r, leg.transfer_id))
+        rx = await self.pull_of(fake, leg)
         await fake.serve(rx)
         return rx
 
@@ -327,7 +351,7 @@ class ConsumerCtx:
     async def all_pulls(self, fake: FakeP, leg: Leg) -> list[Received]:
         """Every pull D sends ``fake`` for ``leg``: as many as the TP and PP sizes of both sides
         make (§10.1, §10.2), those of the first pull giving D's."""
-        first = await self.pull(fake, match=lambda r: names(r, leg.transfer_id))
+        first = await self.pull_of(fake, leg)
         assert first.pull is not None
         c = fake.config
         count = paired_pulls(c.tp, c.pp, first.pull.remote_tp_size, first.pull.remote_pp_size)

@@ -12,7 +12,7 @@ from typing import Final
 
 from ..case import expect, expect_equal
 from ..peers.fake_p import FakeP, Received
-from .consumer_env import ConsumerCtx, Leg, consumer_case, names
+from .consumer_env import ConsumerCtx, Leg, consumer_case
 from .consumer_release import fail_held, fill_until_queued, release_only_after_abort
 
 #: How late a renewal may come past its period: D checks its timers once per engine step.
@@ -41,10 +41,6 @@ def expect_period(times: list[float], period: float, what: str) -> None:
         all(0.8 * period <= g <= period + LATE for g in gaps),
         f"{what}: renewals {[round(g, 2) for g in gaps]}s apart, expected L/6 = {period:.2f}s",
     )
-
-
-async def pull_of(t: ConsumerCtx, fake: FakeP, leg: Leg) -> Received:
-    return await t.pull(fake, match=lambda r: names(r, leg.transfer_id))
 
 
 def renewals_after(fake: FakeP, leg: Leg, t0: float) -> list[Received]:
@@ -136,7 +132,7 @@ async def refused_renewals_fail_nothing(t: ConsumerCtx) -> None:
     lease = t.require_lease()
     fakes = [await t.fake_p(heartbeat_reply=how) for how in ("error", "none")]
     legs = [t.start(fake) for fake in fakes]
-    pulls = [await pull_of(t, fake, leg) for fake, leg in zip(fakes, legs, strict=True)]
+    pulls = [await t.pull_of(fake, leg) for fake, leg in zip(fakes, legs, strict=True)]
     await asyncio.sleep(2 * lease / 6)  # D's renewal timer: nothing to await from outside
     for fake, leg in zip(fakes, legs, strict=True):
         how = fake.config.heartbeat_reply

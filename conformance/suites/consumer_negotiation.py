@@ -89,7 +89,7 @@ async def newer_p_gets_d_own_version(t: ConsumerCtx) -> None:
     fake = await t.fake_p(version=3, caps=DEFAULT_CAPS | {"from-a-later-version"})
     for _ in range(2):  # the first pull knows P from /query, the second from P's reply too
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         await fake.serve(rx)
         t.expect_decoded(await leg.result())
         assert rx.pull is not None

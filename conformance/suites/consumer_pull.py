@@ -31,7 +31,7 @@ async def each_pull_on_a_new_dealer(t: ConsumerCtx) -> None:
     identities = []
     for _ in range(2):
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         expect(
             len(rx.frames) == 2,
             f"the pull reached P's ROUTER as {len(rx.frames)} frames (sizes "
@@ -67,8 +67,8 @@ async def pull_names_the_prompt_blocks(t: ConsumerCtx) -> None:
     sent = msgspec.msgpack.decode(rx.data)["req_blocks"][d_req][1]
     expect(
         all(isinstance(g, list) for g in sent),
-        f"D sent the request's blocks as {sent!r}: the flat list of vLLM ≤ 0.14, not one list "
-        "per KV-cache group",
+        f"D sent the request's blocks as {sent!r}: the flat list of vLLM 0.16 to 0.19, not one "
+        "list per KV-cache group",
     )
     _, groups = pull.req_blocks[d_req]
     expect(rx.with_layout, "D's first pull to a P worker carries no layout")
@@ -169,7 +169,7 @@ async def layout_until_echoed(t: ConsumerCtx) -> None:
     async def exchange(echo: int | None, carry: str = "") -> Received:
         """One request; ``carry``: why its pull must carry the layout."""
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         if carry:
             expect(rx.with_layout, f"D omitted its layout in a pull {carry}")
         fake.write(rx)

@@ -35,7 +35,7 @@ async def finish_that_omits_the_request(t: ConsumerCtx) -> None:
     fake = await t.fake_p()
     for ok in ([], [STRANGER]):
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         fake.write(rx)
         await fake.reply(rx, ok=ok)
         t.expect_failed(await leg.result(), f"after FINISH with ok_reqs {ok}")
@@ -48,7 +48,7 @@ async def error_fails_the_request(t: ConsumerCtx) -> None:
     fake = await t.fake_p()
     for err_msg in ("the fake P failed this pull", None):
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         fake.write(rx)
         await fake.reply(rx, ERROR, err_msg=err_msg, err_code="INTERNAL")
         t.expect_failed(await leg.result(), f"after ERROR with err_msg {err_msg!r}")
@@ -95,7 +95,7 @@ async def undecodable_reply_fails(t: ConsumerCtx) -> None:
     fake = await t.fake_p()
     for what in ("not MessagePack", "status 7", "both ok and failed"):
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         fake.write(rx)
         d_req = rx.d_req(leg.transfer_id)
         data = {
@@ -193,7 +193,7 @@ async def code_of_a_failed_request(t: ConsumerCtx) -> None:
     fake = await t.fake_p()
     for sent, want in (("EXPIRED", "EXPIRED"), ("A_CODE_FROM_A_LATER_VERSION", "INTERNAL")):
         leg = t.start(fake)
-        rx = await t.pull(fake)
+        rx = await t.pull_of(fake, leg)
         if not rx.announced:
             await fake.serve(rx)
             raise Unsupported("D does not announce pdwire/2: P sends it no codes")

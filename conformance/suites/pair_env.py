@@ -20,7 +20,7 @@ from typing import Any, Final
 
 import httpx
 
-from ..case import Case, CaseFailed, Suite, WireLog, expect
+from ..case import Case, CaseFailed, Suite, Unsupported, WireLog, expect
 from ..peers.http import HttpResult, request, request_id, transfer_id
 from ..peers.observer import HARNESS, REAL, Observer, Problem, Relayed
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
@@ -259,6 +259,15 @@ class PairEnv:
         await self.observer.close()
         await self.http.aclose()
 
+    async def serving(self) -> str | None:
+        """Whether the pair still serves (``runner.Probe``): a plain request, sent as the proxy
+        sends it, is answered by both."""
+        t = PairCtx(self, WireLog())
+        x = await t.exchange(t.body(PROMPTS[0]))
+        if x.p.ok and x.d.ok:
+            return None
+        return f"a plain request failed: P {x.p.describe()}; D {x.d.describe()}"
+
     @property
     def p_version(self) -> int:
         return int(self.entry.get("pdwire_version") or 0)
@@ -385,6 +394,11 @@ class PairCtx:
             self.log.note("D's local-prefill answer (measured earlier in this run)", cached.text)
             return cached
         answer = await self._post(self.options.decode, body, {"X-Request-Id": request_id()})
+        if 400 <= answer.status < 500:  # e.g. a chat request to a model without a chat template
+            raise Unsupported(
+                f"D refuses the request on its own too ({answer.describe()}): a limit of the "
+                "testee, not of the protocol"
+            )
         expect(answer.ok, f"D's local prefill of the same request failed: {answer.describe()}")
         self.env.local_cache[key] = answer
         return answer

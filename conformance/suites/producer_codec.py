@@ -478,7 +478,7 @@ async def older_variants_served(t: ProducerCtx) -> None:
             "no block_lens, kv_block_lens": _drop("block_lens", "kv_block_lens"),
             "no layer metadata": _drop(*_LAYER_KEYS),
             "no remote_pp_size, layout_id": _drop("remote_pp_size", "layout_id"),
-            "vLLM 0.14": oldest,
+            "vLLM 0.16": oldest,
         },
     )
     await release_only_stays_empty(t, t.worker(1, 0))

@@ -146,6 +146,26 @@ class ProducerEnv:
     def p_version(self) -> int:
         return int(self.entry.get("pdwire_version") or 0)
 
+    async def serving(self) -> str | None:
+        """Whether P still serves (``runner.Probe``): its bootstrap server answers ``/query``
+        and each of its workers answers a lease renewal of a transfer it never had: every P
+        answers one at once (3.9-R5; a P without a lease, or older than vLLM 0.34, with
+        ``ERROR``), and it creates nothing (6.4-R3)."""
+        log, wait = WireLog(), self.options.request_timeout
+        got = await request(self.http, "GET", f"{self.options.bootstrap}/query", log)
+        if got.status == 0:
+            return f"P's bootstrap server did not answer GET /query ({got.error})"
+        renewal = encode_heartbeat(LeaseHeartbeat([transfer_id()]))
+        for tp, stages in sorted(self.entry.get("worker_addr", {}).items()):
+            for pp, addr in sorted(stages.items()):
+                answer = await exchange(self.zmq, addr, renewal, wait, log)
+                if not answer.replies:
+                    return (
+                        f"P's worker tp{tp}/pp{pp} at {addr} answered nothing within {wait:.1f}s "
+                        "to a lease renewal: its side channel no longer serves"
+                    )
+        return None
+
     def worker(self, tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0) -> DWorker:
         key = (tp_size, tp_rank, pp_size, pp_rank)
         if key not in self._workers:

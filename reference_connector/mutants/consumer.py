@@ -174,7 +174,7 @@ def _cancel_to_legacy() -> None:
     replace(consumer_module, "encode_cancel", lambda msg, agreement: msgspec.msgpack.encode(msg))
 
 
-@mutant("flat-block-lists", "decode", "sends flat block lists, as vLLM 0.14 did, not one per group")
+@mutant("flat-block-lists", "decode", "sends flat block lists, as vLLM 0.16 to 0.19 did")
 def _flat_block_lists() -> None:
     original = codec.encode_pull
 

@@ -74,6 +74,25 @@ def _answers_multi_frame() -> None:
     replace(producer_agent.ProducerAgent, "_receive", receive)
 
 
+@mutant(
+    "listener-exits-on-multi-frame",
+    "prefill",
+    "stops serving its side channel for good after a message of three frames, as vLLM's P does",
+    at_start=True,
+)
+def _listener_exits_on_multi_frame() -> None:
+    async def receive(self: producer_agent.ProducerAgent) -> None:
+        assert self._sock is not None
+        while True:
+            frames = [bytes(f) for f in await self._sock.recv_multipart()]
+            if len(frames) != 2:
+                logger.error("mutant listener-exits-on-multi-frame: the listener exits")
+                return
+            self._feed(MessageReceived(frames[0], frames[1]))
+
+    replace(producer_agent.ProducerAgent, "_receive", receive)
+
+
 @mutant("crash-on-malformed", "prefill", "the worker exits on a pull it cannot decode")
 def _crash_on_malformed() -> None:
     original = ProducerSession._reply_error

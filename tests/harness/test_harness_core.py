@@ -284,3 +284,17 @@ def test_a_bad_d_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     args = ["consumer", "--api", "http://127.0.0.1:9", "--d-command", "pdwire node --port {nope}"]
     assert cli.main(args) == cli.EXIT_USAGE
     assert "{port}" in capsys.readouterr().err
+
+
+def test_matrix_manifest_gate_must_be_a_pair_case(tmp_path: Path) -> None:
+    from conformance.matrix import ManifestError, load_manifest
+
+    doc = json.loads(Path(cli.__file__).with_name("matrix.example.json").read_text())
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps({**doc, "gate": "pair/5.2/1"}))
+    assert load_manifest(path).gate == "pair/5.2/1"
+    assert load_manifest(tmp_path.joinpath("m.json")).timeout == doc["timeout"]
+    for wrong in ("producer/3.4/1", "pair/99/1"):
+        path.write_text(json.dumps({**doc, "gate": wrong}))
+        with pytest.raises(ManifestError, match="not a case of the pair suite"):
+            load_manifest(path)

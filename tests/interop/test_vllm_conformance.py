@@ -92,6 +92,13 @@ def _run(tmp_path: Path, name: str, args: list[str]) -> tuple[int, dict[str, str
     return code, {c["id"]: c["verdict"] for c in doc["cases"]}
 
 
+def _detail(tmp_path: Path, name: str, case_id: str) -> str:
+    """What the report of the run ``name`` says about ``case_id``."""
+    doc = json.loads((tmp_path / f"{name}.json").read_text())
+    (found,) = (c for c in doc["cases"] if c["id"] == case_id)
+    return f"{found['verdict']}: {found['detail']}"
+
+
 def _producer_args(p: testees.Testee, release: str, lease: float) -> list[str]:
     return [
         "producer", "--api", p.url, "--bootstrap", p.bootstrap, *GEOMETRY,
@@ -133,4 +140,4 @@ def test_consumer_suite_against_vllm(release: str, decode: testees.Testee, tmp_p
     assert code == cli.EXIT_OK, {i: v for i, v in verdicts.items() if v == "fail"}
     assert verdicts["consumer/3.4/2"] == "pass"
     # vLLM's worker code sends the release-only pull the node asks for (§10.10.8)
-    assert verdicts["consumer/10.10/4"] == "pass", verdicts["consumer/10.10/4"]
+    assert verdicts["consumer/10.10/4"] == "pass", _detail(tmp_path, "consumer", "consumer/10.10/4")

@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 from unittest import mock
 from urllib.parse import urlsplit
@@ -98,7 +98,12 @@ class VllmWorkerAgent:
         extra: dict[str, Any] = {"mooncake_protocol": "tcp", "num_workers": 4}
         if self._producer:
             bootstrap = urlsplit(s.bootstrap_url)
-            extra["bootstrap_server_address"] = f"{bootstrap.hostname}:{bootstrap.port}"
+            if releases.takes_bootstrap_address(release):
+                extra["bootstrap_server_address"] = f"{bootstrap.hostname}:{bootstrap.port}"
+            else:
+                # vLLM's own bootstrap server, on the port of the node's --bootstrap, which
+                # must name a free port: nothing else may serve it.
+                os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(bootstrap.port)
         if s.lease is not None and hasattr(self._mc, "MooncakeLeaseHeartbeat"):
             extra["kv_lease_duration"] = s.lease
         config = VllmConfig(
@@ -137,11 +142,27 @@ class VllmWorkerAgent:
             kv_cache_tensors=[],
             kv_cache_groups=[KVCacheGroupSpec(names, spec)],
         )
-        with mock.patch.object(torch.accelerator, "current_device_index", return_value=0):
+        # vLLM's worker builds its connector inside the config's context, as here.
+        with (
+            set_current_vllm_config(config),
+            mock.patch.object(torch.accelerator, "current_device_index", return_value=0),
+        ):
             self._worker = self._mc.MooncakeConnectorWorker(config, s.engine_id, cache_config)
-        # [blocks, K/V, heads, block_size, head_dim] per layer: a block's K and V lie apart, so
-        # vLLM registers one region for K and one for V of each layer, as the node's pool does.
-        caches = {name: pool.kv[i].permute(1, 0, 2, 3, 4) for i, name in enumerate(names)}
+        # The pool holds each layer as [K/V, blocks, heads, block_size, head_dim]: K and V
+        # apart, one region for each, as vLLM's FlashAttention lays them out. 0.32 and later take
+        # the [blocks, K/V, ...] view of it and find K and V apart in its storage; 0.20 and 0.24
+        # take it as it is. 0.28 takes only caches whose blocks lead, a block's K and V together,
+        # the layout vLLM's engine gives every release from 0.28 on (releases.BLOCKS_FIRST_ENV
+        # asks for it with any release): it gets a buffer of that layout, which the agent fills
+        # from the pool before P sends and copies into the pool once D has loaded.
+        self._staging: list[torch.Tensor] = []
+        if releases.blocks_first(release) or os.environ.get(releases.BLOCKS_FIRST_ENV) == "1":
+            self._staging = [layer.transpose(0, 1).contiguous() for layer in pool.kv]
+            caches = dict(zip(names, self._staging, strict=True))
+        elif release in releases.CACHE_SHAPES:
+            caches = {name: pool.kv[i] for i, name in enumerate(names)}
+        else:
+            caches = {name: pool.kv[i].permute(1, 0, 2, 3, 4) for i, name in enumerate(names)}
         self._worker.register_kv_caches(caches)
         self._loads: dict[str, set[int]] = {}
         self._load_errors: set[int] = set()
@@ -161,6 +182,7 @@ class VllmWorkerAgent:
         self._worker.start_load_kv(meta)
 
     def transfer_finished(self, transfer_id: str, p_req_id: str, blocks: list[list[int]]) -> None:
+        self._stage({b for group in blocks for b in group}, to_pool=False)
         meta = self._metadata()
         meta.reqs_to_send[p_req_id] = (transfer_id, blocks)
         self._worker.start_load_kv(meta)
@@ -197,8 +219,8 @@ class VllmWorkerAgent:
         while not self._stopping.wait(_POLL_S):
             try:
                 sent, received = self._worker.get_finished()
-                self._load_errors |= self._worker.get_block_ids_with_load_errors()
-                stats = self._worker.get_kv_connector_stats()
+                self._load_errors |= self._load_errors_of_step()
+                stats = self._stats_of_step()
             except Exception:
                 if self._stopping.is_set():
                     return
@@ -213,10 +235,31 @@ class VllmWorkerAgent:
             for d_req in received or ():
                 self._finished_load(d_req)
 
+    def _stage(self, blocks: set[int], to_pool: bool) -> None:
+        """Copy these blocks between the pool and a blocks-first release's buffer."""
+        if not self._staging or not blocks:
+            return
+        ids = torch.tensor(sorted(blocks))
+        for pool_layer, staged in zip(self._ctx.pool.kv, self._staging, strict=True):
+            if to_pool:
+                pool_layer[:, ids] = staged[ids].transpose(0, 1)
+            else:
+                staged[ids] = pool_layer[:, ids].transpose(0, 1)
+
+    def _load_errors_of_step(self) -> set[int]:
+        # vLLM 0.32 and later report a failed load by its blocks; earlier releases only log it.
+        ask = getattr(self._worker, "get_block_ids_with_load_errors", None)
+        return set(ask()) if ask is not None else set()
+
+    def _stats_of_step(self) -> Any:
+        ask = getattr(self._worker, "get_kv_connector_stats", None)  # from 0.24 on
+        return ask() if ask is not None else None
+
     def _finished_load(self, d_req: str) -> None:
         blocks = self._loads.pop(d_req, set())
         failed = blocks & self._load_errors
         if not failed:
+            self._stage(blocks, to_pool=True)
             self._ctx.emit("event", "loaded", d_req)
             return
         self._load_errors -= failed
@@ -257,11 +300,27 @@ def agent(ctx: WorkerContext) -> VllmWorkerAgent:
     return VllmWorkerAgent(ctx)
 
 
-def agent_033(ctx: WorkerContext) -> VllmWorkerAgent:
-    """vLLM 0.33.0's connector: ``--agent tests.interop.vllm_agent:agent_033``."""
-    return VllmWorkerAgent(ctx, "0.33.0")
+def _of(release: str) -> Callable[[WorkerContext], VllmWorkerAgent]:
+    def factory(ctx: WorkerContext) -> VllmWorkerAgent:
+        return VllmWorkerAgent(ctx, release)
+
+    factory.__doc__ = (
+        f"vLLM {release}'s connector: ``--agent tests.interop.vllm_agent:{name(release)}``."
+    )
+    return factory
 
 
-def agent_034(ctx: WorkerContext) -> VllmWorkerAgent:
-    """vLLM 0.34.0's connector: ``--agent tests.interop.vllm_agent:agent_034``."""
-    return VllmWorkerAgent(ctx, "0.34.0")
+def name(release: str) -> str:
+    """The factory of ``release``'s connector: ``agent`` for the installed one, else
+    ``agent_0MM`` (``agent_020`` for 0.20.0)."""
+    if release == releases.INSTALLED:
+        return "agent"
+    major, minor, _ = release.split(".")
+    return f"agent_{int(major)}{int(minor):02d}"
+
+
+agent_020 = _of("0.20.0")
+agent_024 = _of("0.24.0")
+agent_028 = _of("0.28.0")
+agent_033 = _of("0.33.0")
+agent_034 = _of("0.34.0")

@@ -87,7 +87,7 @@ def test_older_variants_names_each_trait(traits: tuple[str, ...]) -> None:
 
 
 def test_oldest_variant_in_full() -> None:
-    """vLLM <= 0.14: six fields, flat block lists."""
+    """vLLM 0.16 to 0.18: six fields, flat block lists."""
     doc = {
         "remote_hostname": "h",
         "remote_port": 1,

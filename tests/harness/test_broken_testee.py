@@ -1,0 +1,112 @@
+"""A testee that stops serving: the run asks it after a failed case, and blocks the cases left
+instead of letting each wait out its timeout; a case that may break a testee runs last. Each
+probe tells a serving testee from one that was stopped."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from conformance import cli, testees
+from conformance.case import WireLog, all_cases
+from conformance.peers.fake_d import exchange
+from conformance.runner import in_run_order
+from conformance.suites.consumer_env import ConsumerEnv, ConsumerOptions
+from conformance.suites.pair_env import PairEnv, PairOptions
+from conformance.suites.producer_env import ProducerEnv, ProducerOptions
+
+pytestmark = pytest.mark.conformance
+pytest.importorskip("mooncake.engine")
+
+#: The case whose malformed pull makes the mutant P's worker exit.
+BREAKS: Final = "producer/2.1/5"
+
+
+@pytest.fixture
+def crashing_p() -> Iterator[testees.Testee]:
+    p = testees.start_node("prefill", mutant="crash-on-malformed")
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def test_a_p_that_stops_serving_blocks_the_cases_left(
+    crashing_p: testees.Testee, tmp_path: Path
+) -> None:
+    report = tmp_path / "run.json"
+    cases = f"{BREAKS},producer/3.1/2,producer/3.4/1"
+    code = cli.main(
+        ["producer", "--api", crashing_p.url, "--bootstrap", crashing_p.bootstrap, "-q",
+         "--timeout", "3", "--cases", cases, "--json", str(report)]
+    )  # fmt: skip
+    assert code != cli.EXIT_OK
+    ran = [(c["id"], c["verdict"], c["detail"]) for c in json.loads(report.read_text())["cases"]]
+    # producer/3.1/2 may break a testee itself, so it comes last
+    assert [i for i, _, _ in ran] == [BREAKS, "producer/3.4/1", "producer/3.1/2"]
+    assert ran[0][1] == "fail"
+    for _, verdict, detail in ran[1:]:
+        assert verdict == "blocked"
+        assert f"stopped serving after {BREAKS}" in detail
+        assert "did not answer GET /query" in detail, detail  # the whole node exited
+
+
+def test_cases_that_break_a_testee_run_last() -> None:
+    for suite in ("producer", "consumer", "pair"):
+        ordered = in_run_order(c for c in all_cases() if c.suite.value == suite)
+        breaking = [c.breaks_testee for c in ordered]
+        assert breaking == sorted(breaking), suite
+    assert next(c for c in all_cases() if c.id == "producer/3.1/2").breaks_testee
+
+
+@pytest.mark.asyncio
+async def test_the_producer_probe_tells_a_serving_p_from_a_deaf_one() -> None:
+    """The mutant's listener exits on a message of three frames, its bootstrap server stays."""
+    p = testees.start_node("prefill", mutant="listener-exits-on-multi-frame")
+    env = ProducerEnv(ProducerOptions(p.url, p.bootstrap, request_timeout=3.0))
+    try:
+        await env.open()
+        assert await env.serving() is None
+        await exchange(env.zmq, env.entry["worker_addr"]["0"]["0"], [b"", b"\xc1"], 1.0, WireLog())
+        why = await env.serving()
+        assert why is not None and "answered nothing" in why and "lease renewal" in why, why
+    finally:
+        p.stop()
+        await env.close()
+
+
+@pytest.mark.asyncio
+async def test_the_consumer_probe_tells_a_serving_d_from_a_stopped_one() -> None:
+    # the fake P writes random bytes, which a D that checks its KV takes for a failed load
+    d = testees.start_node("decode", extra=["--no-verify-kv"])
+    env = ConsumerEnv(ConsumerOptions(api=d.url, request_timeout=3.0))
+    try:
+        await env.open()
+        assert await env.serving() is None
+        d.stop()
+        why = await env.serving()
+        assert why is not None and why.startswith("D did not answer a plain request"), why
+    finally:
+        d.stop()
+        await env.close()
+
+
+@pytest.mark.asyncio
+async def test_the_pair_probe_tells_a_serving_pair_from_a_broken_one() -> None:
+    p = testees.start_node("prefill")
+    d = testees.start_node("decode")
+    env = PairEnv(PairOptions(p.url, p.bootstrap, d.url, request_timeout=3.0))
+    try:
+        await env.open()
+        assert await env.serving() is None
+        p.stop()
+        why = await env.serving()
+        assert why is not None and why.startswith("a plain request failed: P"), why
+    finally:
+        p.stop()
+        d.stop()
+        await env.close()
