@@ -15,6 +15,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
+
 from .case import Case, Suite, all_cases
 from .command import check
 from .requirements import CATALOGUE, dump, parse_spec
@@ -90,6 +92,11 @@ def _geometry(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="P's odd layers are state-space (Mamba) layers, KV-cache group 1: D lists there "
         "a request's state block after a null block (id 0) for each earlier block (10.6.3)",
+    )
+    g.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        help=f"P's KV layout (default: apart): {KV_LAYOUT_HELP}",
     )
     g.add_argument(
         "--packed-rows",
@@ -529,6 +536,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         mamba=args.mamba,
         packed_rows=args.packed_rows,
         opaque_rows=args.opaque_rows,
+        kv_together=args.kv_layout == "together",
     )
 
 

@@ -198,6 +198,8 @@ class Preflight:
             self._check_versions(entry, stats)
             self._check_fingerprints(entry, stats)
             self._check_pairing(entry, stats)
+        p_info = p_stats.body if p_stats.ok and isinstance(p_stats.body, dict) else {}
+        self._check_layouts(p_info, stats)
         return self.findings
 
     def _check_roles(self, p: _Got, d: _Got) -> None:
@@ -347,6 +349,30 @@ class Preflight:
             )
         else:
             self.add("fingerprints", OK, "P's and D's are equal")
+
+    def _check_layouts(self, p_stats: dict[str, Any], d_stats: dict[str, Any]) -> None:
+        """How each side's KV blocks lie (``--kv-layout``), as a pdwire node says in its stats:
+        no message of the legacy profile carries it, and a mismatch fails every transfer."""
+        p, d = p_stats.get("kv_layout"), d_stats.get("kv_layout")
+        if p is None or d is None:
+            who = " and ".join(w for w, v in (("P", p), ("D", d)) if v is None)
+            verb = "do" if p is None and d is None else "does"
+            self.add(
+                "kv layout",
+                UNKNOWN,
+                f"{who} {verb} not say how its KV blocks lie; the producer suite assumes "
+                "'apart' (FlashAttention's) unless told --kv-layout together (vLLM's CPU "
+                "backend)",
+            )
+        elif p != d:
+            self.add(
+                "kv layout",
+                PROBLEM,
+                f"P's KV layout is {p!r}, D's {d!r}: no region pair lines up (§9.1).",
+                "start both with the same --kv-layout (the same attention backend)",
+            )
+        else:
+            self.add("kv layout", OK, f"both {p!r}")
 
     def _check_pairing(self, entry: EngineEntry, stats: dict[str, Any]) -> None:
         p_tp, p_pp, _ = _missing(entry)

@@ -30,6 +30,8 @@ from typing import Any
 
 import pytest
 
+from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
+
 from .case import Case, Suite, Verdict, WireLog, all_cases
 from .runner import Result, RunOptions, run_case, select
 
@@ -126,6 +128,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--pdwire-opaque-rows",
         action="store_true",
         help="with --pdwire-producer: P registers its packed rows whole (10.2.8, 10.6.7)",
+    )
+    group.addoption(
+        "--pdwire-kv-layout",
+        choices=KV_LAYOUTS,
+        default="apart",
+        help=f"with --pdwire-producer: {KV_LAYOUT_HELP}",
     )
     group.addoption(
         "--pdwire-timeout",
@@ -228,6 +236,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 mamba=config.getoption("--pdwire-mamba"),
                 packed_rows=config.getoption("--pdwire-packed-rows"),
                 opaque_rows=config.getoption("--pdwire-opaque-rows"),
+                kv_together=config.getoption("--pdwire-kv-layout") == "together",
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)

@@ -156,11 +156,22 @@ def mutants() -> dict[str, MutantInfo]:
     return found
 
 
+#: In a node's log when another process took a port between its choice and its bind (the
+#: Mooncake engine picks its listeners' ports itself): the start is tried once more.
+PORT_TAKEN: Final = "Address already in use"
+
+
 def start_node(role: Role, *, timeout: float = 120.0, **options: Any) -> Testee:
     """Start a reference node (``spawn_node``'s ``options``) and wait until it answers
-    ``/health``."""
+    ``/health``; once more on new ports when one of its ports was taken while it started."""
     testee = spawn_node(role, **options)
-    testee.wait_healthy(timeout)
+    try:
+        testee.wait_healthy(timeout)
+    except TesteeError as exc:
+        if PORT_TAKEN not in str(exc):
+            raise
+        testee = spawn_node(role, **options)
+        testee.wait_healthy(timeout)
     return testee
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pdwire.auth import read_key_file
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.session import check_lease
+from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
 from pdwire.versions import LEGACY, PDWIRE_2
 
 from .cli_common import serve, standalone
@@ -97,6 +98,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "request keeps its state in one block there, and its list in a transfer puts null "
         "blocks (id 0, never allocated) before it (spec 10.6.3)",
     )
+    geometry.add_argument("--kv-layout", choices=KV_LAYOUTS, default="apart", help=KV_LAYOUT_HELP)
     geometry.add_argument(
         "--packed-rows",
         action="store_true",
@@ -258,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             mamba=args.mamba,
             packed_rows=args.packed_rows,
             opaque_rows=args.opaque_rows,
+            kv_together=args.kv_layout == "together",
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)

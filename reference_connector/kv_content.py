@@ -55,6 +55,7 @@ class KVShape:
     mamba: bool = False  # the odd layers are state-space layers: KV-cache group 1 (10.6.3)
     packed_rows: bool = False  # a block is one row of every layer, the regions views into it
     opaque_rows: bool = False  # packed rows registered whole (10.2.8), shared by groups (10.6.7)
+    kv_together: bool = False  # one region per layer, a block's K and V together (CPU backend)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -86,6 +87,7 @@ class KVShape:
             mamba=self.mamba,
             packed_rows=self.packed_rows,
             opaque_rows=self.opaque_rows,
+            kv_together=self.kv_together,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:
@@ -245,7 +247,9 @@ class ContextDigest:
             for layer in chosen:
                 for kv in range(2):
                     for head in range(heads):
-                        self._rows[(layer * 2 + kv) * heads + head].update(part[layer, kv, head])
+                        # a copy only where K and V lie together (a token's K then its V)
+                        cell: Words = np.ascontiguousarray(part[layer, kv, head])
+                        self._rows[(layer * 2 + kv) * heads + head].update(cell.data)
             pos += stop - slot
 
     def digests(self) -> bytes:

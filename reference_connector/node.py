@@ -294,6 +294,7 @@ class NodeEngine:
             "pdwire_version": WIRE_VERSION[c.profile],
             "pdwire_caps": sorted(ALL_CAPS) if c.profile == PDWIRE_2 else [],
             "fingerprint": dataclasses.asdict(fingerprint) if fingerprint else None,
+            "kv_layout": c.shape.geometry().kv_layout,
             "bootstrap_url": self.bootstrap_url,
             "tp_size": c.tp_size,
             "pp_size": c.pp_size,

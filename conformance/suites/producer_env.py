@@ -54,6 +54,7 @@ class ProducerOptions:
     mamba: bool = False  # P's odd layers are state-space layers, its KV-cache group 1 (10.6.3)
     packed_rows: bool = False  # P's regions are slices of packed rows; the fake D's are too
     opaque_rows: bool = False  # P's packed rows are registered whole; the fake D's are too
+    kv_together: bool = False  # P's regions are one per layer, K and V together; the fake D's too
 
 
 class ProducerEnv:
@@ -112,11 +113,12 @@ class ProducerEnv:
                 mamba=self.options.mamba or geometry.mamba,
                 packed_rows=self.options.packed_rows or geometry.packed_rows,
                 opaque_rows=self.options.opaque_rows or geometry.opaque_rows,
+                kv_together=self.options.kv_together or geometry.kv_together,
             )
         except ValueError as exc:
             raise RuntimeError(
-                f"{exc}: check --kernel-block-size, --sliding-window, --mamba, --packed-rows "
-                "and --opaque-rows"
+                f"{exc}: check --kernel-block-size, --sliding-window, --mamba, --packed-rows, "
+                "--opaque-rows and --kv-layout"
             ) from None
         if not self.model:
             models = await request(self.http, "GET", f"{self.options.api}/v1/models", log)

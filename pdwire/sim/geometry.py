@@ -11,6 +11,13 @@ from ..planning import Region, Side, window_blocks
 
 #: Where the simulated address spaces start; each worker region gets its own span.
 _BASE: Final = 0x7F00_0000_0000
+#: The values of ``--kv-layout`` (``Geometry.kv_layout``), and what each means.
+KV_LAYOUTS: Final = ("apart", "together")
+KV_LAYOUT_HELP: Final = (
+    "how a layer's KV blocks lie in memory: 'apart' (the default), K and V each a region of its "
+    "own, as vLLM's FlashAttention backend lays them out; 'together', one region per layer whose "
+    "blocks hold each head's tokens, a token's K then its V, as vLLM's CPU attention backend does"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +41,10 @@ class Geometry:
     #: packed rows registered whole, one region a worker named after its first layer (an opaque
     #: packed row, 3.2-R10), shared by both KV-cache groups when there are two (10.6.7)
     opaque_rows: bool = False
+    #: each layer one region whose blocks hold K and V together, head-major, a token's K then
+    #: its V ([blocks, heads, tokens, K and V], vLLM's CPU attention backend); else K and V
+    #: are regions of their own ([K/V, blocks, heads, tokens, channels], FlashAttention's)
+    kv_together: bool = False
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size
@@ -54,6 +65,8 @@ class Geometry:
             )
         if self.packs_rows and kernel is not None:
             raise ValueError("packed rows take no kernel block size: a row is a whole block")
+        if self.packs_rows and self.kv_together:
+            raise ValueError("packed rows lay K and V out themselves: not with kv_together")
 
     @property
     def num_groups(self) -> int:
@@ -118,19 +131,26 @@ class Geometry:
         per = -(-self.num_layers // pp_size)
         return range(pp_rank * per, min(self.num_layers, (pp_rank + 1) * per))
 
+    @property
+    def kv_layout(self) -> str:
+        """The name of the layout of a layer's blocks (``--kv-layout``)."""
+        return "together" if self.kv_together else "apart"
+
     def side(self, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, worker: int) -> Side:
         """The regions of one worker: K and V of each layer of its PP stage, each a tensor of
-        its own, or with ``packed_rows`` a slice of the worker's rows."""
-        length = self.block_bytes(tp_size)
+        its own, or with ``kv_together`` one region per layer, or with ``packed_rows`` a slice
+        of the worker's rows."""
+        parts = 1 if self.kv_together else 2  # regions per layer
+        length = self.block_bytes(tp_size) * (2 // parts)
         span = length * self.num_blocks * self.kernel_blocks
-        base = _BASE + worker * (2 * self.num_layers + 1) * span
+        base = _BASE + worker * (parts * self.num_layers + 1) * span
         layers = self.stage_layers(pp_size, pp_rank)
 
         def region(i: int, layer: int, kv: int) -> Region:
             if self.packs_rows:  # slot 2i + kv of a row of every layer of the stage
                 offset, stride, in_row = (2 * i + kv) * length, 2 * len(layers) * length, True
             else:
-                offset, stride, in_row = (2 * layer + kv) * span, length, False
+                offset, stride, in_row = (parts * layer + kv) * span, length, False
             return Region(
                 layer_name=f"model.layers.{layer}.self_attn.attn",
                 layer_index=layer,
@@ -141,7 +161,9 @@ class Geometry:
                 row_offset=offset if in_row else -1,
             )
 
-        regions = tuple(region(i, layer, kv) for i, layer in enumerate(layers) for kv in range(2))
+        regions = tuple(
+            region(i, layer, kv) for i, layer in enumerate(layers) for kv in range(parts)
+        )
         if self.opaque_rows:
             whole = regions[0].block_len
             shared = self.num_groups > 1

@@ -154,9 +154,12 @@ class VllmWorkerAgent:
         # take it as it is. 0.28 takes only caches whose blocks lead, a block's K and V together,
         # the layout vLLM's engine gives every release from 0.28 on (releases.BLOCKS_FIRST_ENV
         # asks for it with any release): it gets a buffer of that layout, which the agent fills
-        # from the pool before P sends and copies into the pool once D has loaded.
+        # from the pool before P sends and copies into the pool once D has loaded. A node of
+        # --kv-layout together holds each layer as vLLM's CPU backend does, handed over as it is.
         self._staging: list[torch.Tensor] = []
-        if releases.blocks_first(release) or os.environ.get(releases.BLOCKS_FIRST_ENV) == "1":
+        if pool.shape.kv_together:  # [blocks, heads, tokens, K and V channels]: vLLM's CPU layout
+            caches = {name: pool.storage[i].flatten(-2) for i, name in enumerate(names)}
+        elif releases.blocks_first(release) or os.environ.get(releases.BLOCKS_FIRST_ENV) == "1":
             self._staging = [layer.transpose(0, 1).contiguous() for layer in pool.kv]
             caches = dict(zip(names, self._staging, strict=True))
         elif release in releases.CACHE_SHAPES:

@@ -42,6 +42,7 @@ class Server:
         bootstrap: bool = False,
         worker_in_engine: bool = False,
         args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
     ) -> None:
         """``bootstrap``: a P whose connector starts a bootstrap server, on a port of its own.
         ``worker_in_engine``: the model runs in the engine core's process (vLLM's ``uni``
@@ -52,6 +53,7 @@ class Server:
         self._model, self._core, self._kv_transfer = model, core, kv_transfer
         self._wants_bootstrap, self._args = bootstrap, args
         self._worker_in_engine = worker_in_engine
+        self._env = dict(env or {})  # added to the server's environment
         self.restarted = False
         self._spawn()
 
@@ -59,7 +61,7 @@ class Server:
         """Start the server on ports picked now."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env: dict[str, str] = {}
+        env: dict[str, str] = dict(self._env)
         self.bootstrap = ""
         if self._wants_bootstrap:
             bootstrap_port = free_port()
