@@ -47,7 +47,7 @@ from typing import Any, Final
 
 import httpx
 
-from .case import Case, Suite, Verdict, WireLog, all_cases
+from .case import Case, Suite, Verdict, all_cases
 from .peers.http import probe
 from .ports import free_port
 from .runner import (
@@ -55,6 +55,7 @@ from .runner import (
     Progress,
     Result,
     RunOptions,
+    blocked,
     scale_for,
     select,
     summary,
@@ -312,8 +313,8 @@ async def run_cell(
             cell.results = await run_pair(options, first, run_options, progress)
             if any(r.verdict is Verdict.FAIL for r in cell.results):
                 saw = gate_detail(cell.results[0])
-                why = f"not run: the pair failed the gate {manifest.gate}: {saw}"
-                cell.results += [Result(c, Verdict.BLOCKED, 0.0, why, WireLog()) for c in rest]
+                why = f"the pair failed the gate {manifest.gate}: {saw}"
+                cell.results += [blocked(c, why) for c in rest]
             else:
                 cell.results += await run_pair(options, rest, run_options, progress)
         except RuntimeError as exc:

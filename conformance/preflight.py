@@ -145,6 +145,12 @@ def _fingerprint(value: Any) -> Fingerprint | None:
         return None
 
 
+def _silent(p: object, d: object, plural: str, singular: str) -> str:
+    """The sides whose fact is None, with the verb that agrees: "P and D show", "D shows"."""
+    who = " and ".join(w for w, v in (("P", p), ("D", d)) if v is None)
+    return f"{who} {plural if p is None and d is None else singular}"
+
+
 def _models(got: _Got) -> set[str] | None:
     try:
         return {str(m["id"]) for m in got.body["data"]}
@@ -333,9 +339,8 @@ class Preflight:
     def _check_fingerprints(self, entry: EngineEntry, stats: dict[str, Any]) -> None:
         p_fp, d_fp = entry.fingerprint, _fingerprint(stats.get("fingerprint"))
         if p_fp is None or d_fp is None:
-            who = " and ".join(w for w, f in (("P", p_fp), ("D", d_fp)) if f is None)
-            verb = "show" if p_fp is None and d_fp is None else "shows"
-            self.add("fingerprints", UNKNOWN, f"{who} {verb} no compatibility fingerprint")
+            who = _silent(p_fp, d_fp, "show", "shows")
+            self.add("fingerprints", UNKNOWN, f"{who} no compatibility fingerprint")
             return
         differ = p_fp.differing_fields(d_fp)
         if differ:
@@ -355,14 +360,12 @@ class Preflight:
         no message of the legacy profile carries it, and a mismatch fails every transfer."""
         p, d = p_stats.get("kv_layout"), d_stats.get("kv_layout")
         if p is None or d is None:
-            who = " and ".join(w for w, v in (("P", p), ("D", d)) if v is None)
-            verb = "do" if p is None and d is None else "does"
             self.add(
                 "kv layout",
                 UNKNOWN,
-                f"{who} {verb} not say how its KV blocks lie; the producer suite assumes "
-                "'apart' (FlashAttention's) unless told --kv-layout together (vLLM's CPU "
-                "backend)",
+                f"{_silent(p, d, 'do', 'does')} not say how its KV blocks lie; the producer "
+                "suite assumes 'apart' (FlashAttention's) unless told --kv-layout together "
+                "(vLLM's CPU backend)",
             )
         elif p != d:
             self.add(

@@ -162,10 +162,9 @@ def in_run_order(cases: Iterable[Case]) -> list[Case]:
     return sorted(cases, key=lambda c: c.breaks_testee)
 
 
-def blocked(case: Case, after: Result, why: str) -> Result:
-    """``case``, not run because the testee stopped serving after ``after``."""
-    detail = f"not run: the testee stopped serving after {after.case.id}: {why}"
-    return Result(case, Verdict.BLOCKED, 0.0, detail, WireLog())
+def blocked(case: Case, why: str) -> Result:
+    """``case``, not run because of what an earlier case showed of the testee: ``why``."""
+    return Result(case, Verdict.BLOCKED, 0.0, f"not run: {why}", WireLog())
 
 
 async def run_cases(
@@ -189,7 +188,8 @@ async def run_cases(
         why = await serving()
         if why is not None:
             for rest in cases[i + 1 :]:
-                results.append(blocked(rest, result, why))
+                after = f"the testee stopped serving after {case.id}: {why}"
+                results.append(blocked(rest, after))
                 if on_result is not None:
                     on_result(results[-1])
             break

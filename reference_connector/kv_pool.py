@@ -49,9 +49,9 @@ class KVPool:
             self.storage = torch.zeros((rows, len(self.layers), 2, *cell), dtype=shape.torch_dtype)
             self.kv = self.storage.permute(1, 2, 0, 3, 4, 5)
         elif geometry.kv_together:  # [layers, rows, heads, tokens, K/V, head_dim]
-            heads_tokens = (heads, row_tokens)
             self.storage = torch.zeros(
-                (len(self.layers), rows, *heads_tokens, 2, shape.head_dim), dtype=shape.torch_dtype
+                (len(self.layers), rows, heads, row_tokens, 2, shape.head_dim),
+                dtype=shape.torch_dtype,
             )
             self.kv = self.storage.permute(0, 4, 1, 2, 3, 5)
         else:

@@ -153,18 +153,18 @@ class ProducerEnv:
         and each of its workers answers a lease renewal of a transfer it never had: every P
         answers one at once (3.9-R5; a P without a lease, or older than vLLM 0.34, with
         ``ERROR``), and it creates nothing (6.4-R3)."""
-        log, wait = WireLog(), self.options.request_timeout
-        got = await request(self.http, "GET", f"{self.options.bootstrap}/query", log)
+        t = ProducerCtx(self, WireLog())
+        got = await request(self.http, "GET", f"{self.options.bootstrap}/query", t.log)
         if got.status == 0:
             return f"P's bootstrap server did not answer GET /query ({got.error})"
-        renewal = encode_heartbeat(LeaseHeartbeat([transfer_id()]))
         for tp, stages in sorted(self.entry.get("worker_addr", {}).items()):
             for pp, addr in sorted(stages.items()):
-                answer = await exchange(self.zmq, addr, renewal, wait, log)
+                answer = await t.heartbeat(addr, [t.new_transfer_id()])
                 if not answer.replies:
                     return (
-                        f"P's worker tp{tp}/pp{pp} at {addr} answered nothing within {wait:.1f}s "
-                        "to a lease renewal: its side channel no longer serves"
+                        f"P's worker tp{tp}/pp{pp} at {addr} answered nothing within "
+                        f"{self.options.request_timeout:.1f}s to a lease renewal: its side "
+                        "channel no longer serves"
                     )
         return None
 

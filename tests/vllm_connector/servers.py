@@ -17,6 +17,7 @@ from typing import Any, Final
 import httpx
 
 from conformance.ports import free_port
+from conformance.testees import PORT_TAKEN
 
 SITE: Final = Path(__file__).parent / "site"
 START_TIMEOUT_S: Final = 480.0
@@ -126,7 +127,7 @@ class Server:
         return "\n".join(list(dict.fromkeys(found))[:most])
 
     def _lost_a_port(self) -> bool:
-        return any("Address already in use" in line for line in self._lines())
+        return any(PORT_TAKEN in line for line in self._lines())
 
     def report(self) -> str:
         return f"log {self.log}\nerror lines:\n{self.errors()}\nlast lines:\n{self.tail()}"

