@@ -139,7 +139,8 @@ class Case:
     caught_by: tuple[str, ...] = ()  # mutants of the reference testee that this case catches
     risk: int | None = None  # the known risk (facts file section 10) it guards against
     #: the case may leave a testee that follows the legacy profile unable to serve (vLLM's P
-    #: stops its listener for good on a message of three frames): a run puts it last
+    #: stops its listener for good on a message of three frames; vLLM 0.32's D engine dies on a
+    #: D leg without remote_bootstrap_addr, 5.2-R2): a run puts it last
     breaks_testee: bool = False
 
     @property

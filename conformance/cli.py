@@ -65,6 +65,20 @@ def _common(p: argparse.ArgumentParser) -> None:
         "each case's own bound grows in the same proportion",
     )
     g.add_argument("-q", "--quiet", action="store_true", help="no line per case, only the summary")
+    g.add_argument(
+        "--restart-command",
+        metavar="CMD",
+        help="a shell command that restarts the testee (e.g. 'systemctl restart vllm-p'): run "
+        "when the testee stops serving after a case, so that the cases left still run instead "
+        "of ending as blocked; it returns once the restart is under way",
+    )
+    g.add_argument(
+        "--restart-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds for --restart-command and the testee's return to service together (600)",
+    )
 
 
 def _geometry(p: argparse.ArgumentParser) -> None:
@@ -432,6 +446,8 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         timeout_scale=scale_for(args.timeout),
         known_failing=read_list(args.known_failing) if args.known_failing else frozenset(),
         known_flaky=read_list(args.known_flaky) if args.known_flaky else frozenset(),
+        restart_command=args.restart_command,
+        restart_timeout=args.restart_timeout,
     )
 
 

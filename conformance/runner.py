@@ -6,15 +6,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import fnmatch
+import functools
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final, Protocol, TextIO
 
 from .case import Case, CaseFailed, Skip, Suite, Unsupported, Verdict, WireLog
 from .requirements import Level
+from .restart import Probe
+from .restart import restart as restart_testee
 
 #: The wait for any one reply or answer of a testee that the cases' own bounds are sized for.
 DEFAULT_REQUEST_TIMEOUT = 10.0
@@ -35,6 +38,9 @@ class RunOptions:
     #: after a failed case, ask the testee whether it still serves, and block the cases left
     #: when it does not; off where every case must run whatever the ones before did (mutants)
     probe: bool = True
+    #: a shell command that restarts a testee that stopped serving, so that the cases left run
+    restart_command: str | None = None
+    restart_timeout: float = 600.0  # for the command and the testee's return together
 
 
 @dataclasses.dataclass
@@ -152,10 +158,6 @@ class Progress:
 #: Verdicts after which a run asks whether the testee still serves.
 _FAILED: Final = frozenset({Verdict.FAIL, Verdict.NON_STRICT, Verdict.INFORMATIONAL})
 
-#: Asks a testee something it answers whenever it serves: None when it answered, else what
-#: went wrong.
-Probe = Callable[[], Awaitable[str | None]]
-
 
 def in_run_order(cases: Iterable[Case]) -> list[Case]:
     """``cases`` in their order, but those that may break a testee last."""
@@ -173,19 +175,28 @@ async def run_cases(
     options: RunOptions,
     on_result: Callable[[Result], None] | None = None,
     serving: Probe | None = None,
+    restart: Probe | None = None,
 ) -> list[Result]:
     """Run ``cases`` one by one. After a case that failed, ``serving`` asks the testee whether
-    it still serves; when it does not, the cases left are ``blocked`` at once instead of each
-    waiting out its timeout."""
+    it still serves; when it does not, ``restart`` (when given) brings it back, else the cases
+    left are ``blocked`` at once instead of each waiting out its timeout."""
     results: list[Result] = []
     for i, case in enumerate(cases):
         result = await run_case(case, ctx_for, options)
         results.append(result)
+        why = None
+        if serving is not None and result.verdict in _FAILED and i < len(cases) - 1:
+            why = await serving()
+            if why is not None and restart is not None:
+                failed = await restart()
+                note = f"the testee stopped serving after this case ({why})"
+                if failed is None:
+                    result.detail += f"\n{note}, and was restarted"
+                    why = None
+                else:
+                    why = f"{why}; restarting it failed: {failed}"
         if on_result is not None:
             on_result(result)
-        if serving is None or result.verdict not in _FAILED or i == len(cases) - 1:
-            continue
-        why = await serving()
         if why is not None:
             for rest in cases[i + 1 :]:
                 after = f"the testee stopped serving after {case.id}: {why}"
@@ -218,7 +229,16 @@ async def run_suite(
         await env.open()
         chosen = in_run_order(c for c in cases if c.suite is suite)
         probe: Probe | None = getattr(env, "serving", None) if options.probe else None
-        return await run_cases(chosen, ctx_for, options, on_result, probe)
+        restart: Probe | None = None
+        if probe is not None and options.restart_command:
+            restart = functools.partial(
+                restart_testee,
+                options.restart_command,
+                options.restart_timeout,
+                probe,
+                getattr(env, "refresh", None),
+            )
+        return await run_cases(chosen, ctx_for, options, on_result, probe, restart)
     finally:
         await env.close()
 

@@ -175,9 +175,12 @@ def start_node(role: Role, *, timeout: float = 120.0, **options: Any) -> Testee:
     return testee
 
 
-def spawn_node(
+def node_command(
     role: Role,
+    port: int,
     *,
+    bootstrap: str = "",
+    bootstrap_port: int = 0,
     tp: int = 1,
     pp: int = 1,
     profile: str = "pdwire/2",
@@ -186,13 +189,9 @@ def spawn_node(
     extra: Sequence[str] = (),
     abort_timeout: float = ABORT_TIMEOUT,
     geometry: Sequence[str] = GEOMETRY,
-    env: dict[str, str] | None = None,
-    bootstrap: str = "",
-    bootstrap_port: int = 0,
-) -> Testee:
-    """Start a reference node, without waiting for it. A prefill node serves its own
-    bootstrap server on ``bootstrap_port`` (0: a free one), or registers at ``bootstrap``."""
-    port = free_port()
+) -> list[str]:
+    """The command line of a reference node whose API is on ``port``. A prefill node
+    registers at ``bootstrap``, or serves its own bootstrap server on ``bootstrap_port``."""
     args = [
         sys.executable, "-m", "pdwire", "node", "--role", role, "--port", str(port),
         "--tp", str(tp), "--pp", str(pp), "--profile", profile, *geometry,
@@ -200,14 +199,42 @@ def spawn_node(
     ]  # fmt: skip
     if role == "prefill" and bootstrap:
         args += ["--bootstrap", bootstrap]
-    elif role == "prefill":
-        bport = bootstrap_port or free_port()
-        args += ["--bootstrap-port", str(bport)]
-        bootstrap = f"http://127.0.0.1:{bport}"
+    elif role == "prefill" and bootstrap_port:
+        args += ["--bootstrap-port", str(bootstrap_port)]
     if mutant:
         args += ["--mutant", mutant]
     if mutant_control:
         args.append("--mutant-control")
+    return args
+
+
+def spawn_node(
+    role: Role,
+    *,
+    mutant: str = "",
+    abort_timeout: float = ABORT_TIMEOUT,
+    env: dict[str, str] | None = None,
+    bootstrap: str = "",
+    bootstrap_port: int = 0,
+    **command: Any,
+) -> Testee:
+    """Start a reference node (``node_command``'s ``command`` options), without waiting for
+    it. A prefill node serves its own bootstrap server on ``bootstrap_port`` (0: a free one), or
+    registers at ``bootstrap``."""
+    port = free_port()
+    if role == "prefill" and not bootstrap:
+        bootstrap_port = bootstrap_port or free_port()
+    args = node_command(
+        role,
+        port,
+        bootstrap=bootstrap,
+        bootstrap_port=bootstrap_port,
+        mutant=mutant,
+        abort_timeout=abort_timeout,
+        **command,
+    )
+    if role == "prefill" and not bootstrap:
+        bootstrap = f"http://127.0.0.1:{bootstrap_port}"
     fd, name = tempfile.mkstemp(prefix=f"pdwire-testee-{role}-", suffix=".log")
     environ = {
         **os.environ,

@@ -418,14 +418,21 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             if t.state is None:
                 self._remember(t)  # a placeholder expires (§10.11.4)
             self._move(t, E.PULL_NAMED)
-            if t.bound_d_req is None:
-                t.bound_d_req = d_req
-            elif t.bound_d_req != d_req:
+            if not self._binds(t, d_req):
                 pull.err[d_req] = self._duplicate(transfer_id)
                 continue
             pull.pending[d_req] = transfer_id
             t.waiting.add(pull.key)
         self._try_round(pull, now)
+
+    def _binds(self, t: _Transfer, d_req: str) -> bool:
+        """Whether ``d_req`` may name ``t``: the first request to name a transfer binds it
+        (10.11.9), but any may name one P will not send, since P writes nothing for it: each is
+        answered will-not-send (10.11.10). vLLM's D names such a transfer again, under a new id,
+        in the release-only pull for a request its server answered with an error."""
+        if t.bound_d_req is None:
+            t.bound_d_req = d_req
+        return t.bound_d_req == d_req or t.state is S.NOT_SENT
 
     def _duplicate(self, transfer_id: str) -> tuple[ErrorCode, str]:
         message = msgs.DUPLICATE_TRANSFER_ID.format(transfer_id=transfer_id)

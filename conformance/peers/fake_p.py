@@ -136,8 +136,16 @@ class FakePConfig:
     heartbeat_reply: str = "finish"
 
 
+#: Every source byte is ``random & KEEP | SET``: 0x30-0x3F or 0xB0-0xBF. Read as bf16, fp16,
+#: fp32 or either fp8 format, such bytes are finite numbers of magnitude about 2^-31 to 2^1,
+#: never a NaN or an infinity: a D whose attention reads the unused slots of a block that once
+#: held them (a masked product of 0 and NaN is NaN) keeps giving numbers its sampler can take.
+KEEP, SET = 0x8F, 0x30
+
+
 class Source:
-    """Registered memory of random bytes that every fake P writes from."""
+    """Registered memory of random bytes (finite as any KV dtype, ``KEEP``) that every fake P
+    writes from."""
 
     def __init__(self, engine: Engine, seed: int = 5) -> None:
         self._engine = engine
@@ -146,7 +154,7 @@ class Source:
 
     def _allocate(self, nbytes: int) -> tuple[int, int]:
         buf, addr = self._engine.allocate(nbytes, 0)
-        buf[:] = self._rng.integers(0, 256, nbytes, dtype=np.uint8)
+        buf[:] = self._rng.integers(0, 256, nbytes, dtype=np.uint8) & KEEP | SET
         return addr, nbytes
 
     def reserve(self, nbytes: int) -> int:

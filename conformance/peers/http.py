@@ -27,6 +27,22 @@ class HttpResult:
     def ok(self) -> bool:
         return 200 <= self.status < 300
 
+    def output(self) -> tuple[str, list[int] | None, list[float] | None]:
+        """The completion text, and where the answer has them its generated token ids (vLLM's
+        ``return_token_ids``) and their log probabilities (``logprobs``): a tiny model's text,
+        even its tokens, may be the same whatever its KV, where its log probabilities are not."""
+        try:
+            choice = self.body["choices"][0]
+            ids = choice.get("token_ids")
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        except (KeyError, IndexError, TypeError, AttributeError):
+            ids = logprobs = None
+        return (
+            self.text(),
+            list(ids) if isinstance(ids, list) else None,
+            list(logprobs) if isinstance(logprobs, list) else None,
+        )
+
     def text(self) -> str:
         """The completion text of an OpenAI completion or chat body ("" if none)."""
         try:

@@ -66,6 +66,10 @@ class ConsumerOptions:
     sliding_window: int | None = None  # the window of D's KV-cache group 1, when it has one
 
 
+#: What a completion request asks for so that its answer has all of ``HttpResult.output``.
+OUTPUT_BODY: Final = {"return_token_ids": True, "logprobs": 1}
+
+
 class ConsumerEnv:
     """What every consumer case shares: D's address and model, the harness's engine, sockets
     and source bytes, and what a first exchange showed of D's version."""
@@ -302,9 +306,18 @@ class ConsumerCtx:
 
     async def local(self, prompt: list[int]) -> str:
         """D's own text for ``prompt``: no kv_transfer_params (its prefix cache kept apart)."""
-        got = await self.complete(prompt, None, cache_salt=f"pdwire-local-{request_id()}")
+        return (await self._local(prompt)).text()
+
+    async def local_output(
+        self, prompt: list[int]
+    ) -> tuple[str, list[int] | None, list[float] | None]:
+        """D's own output (``HttpResult.output``, asked with ``OUTPUT_BODY``) for ``prompt``."""
+        return (await self._local(prompt, **OUTPUT_BODY)).output()
+
+    async def _local(self, prompt: list[int], **body: Any) -> HttpResult:
+        got = await self.complete(prompt, None, cache_salt=f"pdwire-local-{request_id()}", **body)
         expect(got.ok, f"D's local request failed: HTTP {got.status} {got.error or got.body!r}")
-        return got.text()
+        return got
 
     # -- what D did --------------------------------------------------------------------------
 

@@ -11,13 +11,14 @@ from pdwire.versions import Capability
 
 from ..case import Unsupported, expect, expect_equal
 from ..peers.http import transfer_id
-from .consumer_env import DECODE_KEYS, QUIET, ConsumerCtx, consumer_case
+from .consumer_env import DECODE_KEYS, OUTPUT_BODY, QUIET, ConsumerCtx, consumer_case
 
 FINISH = XferResponseStatus.FINISH
 SLACK = 1.5  # how much later than its deadline D may give up
+TEXT_TRIES = 8  # prompts tried for one whose local text is not empty
 
 
-@consumer_case("consumer/5.2/1", "5.2-R2", caught_by=("invalid-params-fail",))
+@consumer_case("consumer/5.2/1", "5.2-R2", caught_by=("invalid-params-fail",), breaks_testee=True)
 async def incomplete_params_compute_locally(t: ConsumerCtx) -> None:
     """A D leg without remote_engine_id, remote_bootstrap_addr or transfer_id is computed by D
     itself: HTTP 200 with D's local text, and no query and no pull."""
@@ -41,20 +42,33 @@ async def incomplete_params_compute_locally(t: ConsumerCtx) -> None:
 async def decodes_from_the_loaded_kv(t: ConsumerCtx) -> None:
     """D decodes from the KV P wrote, not from its own prefill: given bytes that are not the
     prompt's KV (the fake P's random bytes), its text differs from its local text for the same
-    prompt, which is exactly what a D that silently recomputed would give."""
+    prompt, which is exactly what a D that silently recomputed would give. Its generated token
+    ids and their log probabilities are compared too where D returns them, and the prompt is
+    one whose local output is not empty: a model that stops at once on it tells nothing."""
+    for _ in range(TEXT_TRIES):
+        prompt = t.prompt()
+        local = await t.local_output(prompt)
+        if local != ("", None, None):
+            break
+    else:
+        raise Unsupported(
+            f"D's own text is empty for {TEXT_TRIES} prompts and it returns no token ids: its "
+            "output cannot tell KV it loaded from a recompute"
+        )
     fake = await t.fake_p()
-    leg = t.start(fake)
+    leg = t.start(fake, prompt=prompt, body=dict(OUTPUT_BODY))
     rx = await t.pull(fake)
     expect(fake.write(rx) > 0, "the pull asks for no bytes")
     await fake.reply(rx, ok=[rx.d_req(leg.transfer_id)])
     got = await leg.result()
     t.expect_decoded(got)
     expect(bool(fake.queries), f"D did not query the bootstrap server it was given, {fake.url}")
-    local = await t.local(leg.prompt)
     expect(
-        got.text() != local,
-        f"D's text {got.text()!r} is its local text for the prompt, though P wrote other bytes: "
-        "D did not decode from the KV it loaded (it recomputed the prompt)",
+        got.output() != local,
+        f"D's output {got.output()!r} (text, token ids, log probabilities) is its local output "
+        "for the prompt, "
+        "though P wrote other bytes: D did not decode from the KV it loaded (it recomputed the "
+        "prompt)",
     )
 
 

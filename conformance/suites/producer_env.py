@@ -77,19 +77,9 @@ class ProducerEnv:
 
     async def open(self) -> None:
         log = WireLog()
-        got = await request(self.http, "GET", f"{self.options.bootstrap}/query", log)
-        if not got.ok or not isinstance(got.body, dict) or not got.body:
-            raise RuntimeError(
-                f"P's bootstrap server at {self.options.bootstrap} gave no engine on GET /query "
-                f"(HTTP {got.status} {got.error or got.body!r}): is P up and registered?"
-            )
-        self.query = got.body
-        for dp, entry in got.body.items():
-            if self.options.engine_id in (None, entry.get("engine_id")):
-                self.dp_rank, self.entry = int(dp), entry
-                break
-        else:
-            raise RuntimeError(f"no engine {self.options.engine_id!r} at {self.options.bootstrap}")
+        why = await self.refresh()
+        if why is not None:
+            raise RuntimeError(why)
         fp = self.entry.get("fingerprint")
         if isinstance(fp, dict):
             self.fingerprint = Fingerprint(**fp)
@@ -127,6 +117,21 @@ class ProducerEnv:
             except (KeyError, IndexError, TypeError):
                 raise RuntimeError(f"GET {self.options.api}/v1/models named no model") from None
         self.engine = Engine()
+
+    async def refresh(self) -> str | None:
+        """Learn P's engine and its workers' addresses from its bootstrap server: None when it
+        named them, else what went wrong."""
+        got = await request(self.http, "GET", f"{self.options.bootstrap}/query", WireLog())
+        if not got.ok or not isinstance(got.body, dict) or not got.body:
+            return (
+                f"P's bootstrap server at {self.options.bootstrap} gave no engine on GET /query "
+                f"(HTTP {got.status} {got.error or got.body!r}): is P up and registered?"
+            )
+        for dp, entry in got.body.items():
+            if self.options.engine_id in (None, entry.get("engine_id")):
+                self.query, self.dp_rank, self.entry = got.body, int(dp), entry
+                return None
+        return f"no engine {self.options.engine_id!r} at {self.options.bootstrap}"
 
     async def close(self) -> None:
         await self.http.aclose()

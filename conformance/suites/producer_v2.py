@@ -261,11 +261,15 @@ async def caps_are_exact_names(t: ProducerCtx) -> None:
 # -- will-not-send (§7.2.1, §10.11.1) ---------------------------------------------------------
 
 
-async def stop_then_pull(
-    t: ProducerCtx, **pull: Any
-) -> tuple[str, list[tuple[str, PullResult]], list[tuple[str, PullResult]]]:
+#: One round of pulls for a transfer P will not send: what they were, the request they named,
+#: and (P worker, result) for each.
+Round = tuple[str, str, list[tuple[str, PullResult]]]
+
+
+async def stop_then_pull(t: ProducerCtx, **pull: Any) -> list[Round]:
     """Pulls wait for a transfer whose P leg then ends on a stop token as its only token; then
-    pulls name it again. Returns the request and both rounds of (P worker, result)."""
+    pulls name it again, and then a release-only request under another id names it, as vLLM's
+    D sends for a request its server answered with an error (10.11.10)."""
     worker = t.worker(1, 0)
     prompt, tid, d_req = t.prompt(), t.new_transfer_id(), t.new_d_req()
     await t.first_token(prompt)  # Unsupported before anything waits at P
@@ -281,15 +285,22 @@ async def stop_then_pull(
             task.cancel()
         await asyncio.gather(*pulls, return_exceptions=True)
         raise
-    waiting = list(zip(addrs, await asyncio.gather(*pulls), strict=True))
+    waiting = await asyncio.gather(*pulls)
     later = await asyncio.gather(*(t.pull(worker, a, req, timeout=QUICK, **pull) for a in addrs))
-    return d_req, waiting, list(zip(addrs, later, strict=True))
+    other = t.new_d_req()
+    release: dict[str, tuple[str, list[list[int]]]] = {other: (tid, [])}
+    released = await asyncio.gather(
+        *(t.pull(worker, a, release, timeout=QUICK, **pull) for a in addrs)
+    )
+    return [
+        ("a waiting pull", d_req, list(zip(addrs, waiting, strict=True))),
+        ("a later pull", d_req, list(zip(addrs, later, strict=True))),
+        ("a release-only request under another id", other, list(zip(addrs, released, strict=True))),
+    ]
 
 
-def expect_will_not_send(
-    d_req: str, rounds: list[list[tuple[str, PullResult]]], code: str | None
-) -> None:
-    for when, results in zip(("a waiting pull", "a later pull"), rounds, strict=True):
+def expect_will_not_send(rounds: list[Round], code: str | None) -> None:
+    for when, d_req, results in rounds:
         for addr, r in results:
             what = f"{when} to {addr}"
             expect_failed(r, d_req, what, {"WILL_NOT_SEND": error_strings.WILL_NOT_SEND})
@@ -301,9 +312,9 @@ def expect_will_not_send(
 @case(
     "producer/10.11/3",
     "10.11.1",
-    covers=("7.2-R5", "7.2-R7", "7.1-R3", "8.5-R1", "10.9.5"),
+    covers=("7.2-R5", "7.2-R7", "7.1-R3", "8.5-R1", "10.9.5", "10.11.10"),
     timeout=15.0,
-    caught_by=("stall-on-stop",),
+    caught_by=("stall-on-stop", "will-not-send-is-bound"),
     risk=1,
 )
 async def stop_token_answers_at_once(t: ProducerCtx) -> None:
@@ -311,8 +322,7 @@ async def stop_token_answers_at_once(t: ProducerCtx) -> None:
     and later ones, get at once (not after T) the request in err_reqs with "Prefill will not
     send KV for this request." and, to a D that announced will-not-send, the code."""
     t.require_cap(Capability.WILL_NOT_SEND)
-    d_req, waiting, later = await stop_then_pull(t, announce=True)
-    expect_will_not_send(d_req, [waiting, later], "WILL_NOT_SEND")
+    expect_will_not_send(await stop_then_pull(t, announce=True), "WILL_NOT_SEND")
 
 
 @case(
@@ -327,9 +337,9 @@ async def stop_token_to_legacy_d(t: ProducerCtx) -> None:
     """A legacy D waiting for a transfer P will not send gets a FINISH at once, with the request
     in err_reqs and no code."""
     t.require_cap(Capability.WILL_NOT_SEND)
-    d_req, waiting, later = await stop_then_pull(t)
-    expect_will_not_send(d_req, [waiting, later], None)
-    for _, r in waiting + later:
+    rounds = await stop_then_pull(t)
+    expect_will_not_send(rounds, None)
+    for _, r in (result for _, _, results in rounds for result in results):
         for reply in r.replies:
             expect(not V2_KEYS & set(reply.keys), "a reply to a legacy D has pdwire/2 fields")
 
@@ -346,8 +356,7 @@ async def no_will_not_send_code_unless_agreed(t: ProducerCtx) -> None:
     with the same message and without the code WILL_NOT_SEND."""
     t.require_cap(Capability.WILL_NOT_SEND)
     caps = sorted(ALL_CAPS - {Capability.WILL_NOT_SEND.value})
-    d_req, waiting, later = await stop_then_pull(t, announce=True, caps=caps)
-    expect_will_not_send(d_req, [waiting, later], None)
+    expect_will_not_send(await stop_then_pull(t, announce=True, caps=caps), None)
 
 
 # -- duplicate transfer_ids (§10.11) ----------------------------------------------------------

@@ -105,7 +105,8 @@ def _crash_on_malformed() -> None:
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        if code is ErrorCode.BAD_MESSAGE:
+        # a heartbeat to a P without a lease is answered BAD_MESSAGE too, though it decoded
+        if code is ErrorCode.BAD_MESSAGE and args[:1] != (error_strings.LEASE_NOT_SET,):
             logger.error("mutant crash-on-malformed: exiting")
             os._exit(3)
         original(self, identity, agreement, code, *args, **kwargs)

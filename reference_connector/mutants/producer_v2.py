@@ -164,6 +164,20 @@ def _unbound_transfer_ids() -> None:
     replace(ProducerSession, "_on_pull", on_pull)
 
 
+@mutant(
+    "will-not-send-is-bound",
+    "prefill",
+    "answers Duplicate transfer_id to another d_req_id naming a transfer P will not send",
+)
+def _will_not_send_is_bound() -> None:
+    def binds(self: ProducerSession, t: Any, d_req: str) -> bool:
+        if t.bound_d_req is None:
+            t.bound_d_req = d_req
+        return bool(t.bound_d_req == d_req)
+
+    replace(ProducerSession, "_binds", binds)
+
+
 @mutant("reused-id-stalls", "prefill", "loses a request whose transfer_id was used and served")
 def _reused_id_stalls() -> None:
     started, finished = ProducerSession._on_started, ProducerSession._on_finished

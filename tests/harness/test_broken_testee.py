@@ -5,13 +5,19 @@ probe tells a serving testee from one that was stopped."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
+import httpx
 import pytest
 
-from conformance import cli, testees
+from conformance import cli, ports, testees
 from conformance.case import WireLog, all_cases
 from conformance.peers.fake_d import exchange
 from conformance.runner import in_run_order
@@ -53,6 +59,97 @@ def test_a_p_that_stops_serving_blocks_the_cases_left(
         assert verdict == "blocked"
         assert f"stopped serving after {BREAKS}" in detail
         assert "did not answer GET /query" in detail, detail  # the whole node exited
+
+
+def test_a_restart_that_fails_blocks_the_cases_left(
+    crashing_p: testees.Testee, tmp_path: Path
+) -> None:
+    code, ran = _run(crashing_p.url, crashing_p.bootstrap, tmp_path, "--restart-command", "exit 3")
+    assert code != cli.EXIT_OK
+    assert [v for _, v, _ in ran] == ["fail", "blocked"], ran
+    assert "restarting it failed: --restart-command exited with status 3" in ran[1][2]
+
+
+#: A P's API and bootstrap URLs, and the shell command that (re)starts it.
+Restartable = tuple[str, str, str]
+
+
+@pytest.fixture
+def restartable_p(tmp_path: Path) -> Iterator[Restartable]:
+    """A crash-on-malformed P started, as a user starts a server, by a shell command that puts
+    it in the background (``setsid``) and records its pid; the same command restarts it on the
+    same ports."""
+    api, boot = ports.free_port(), ports.free_port()
+    node = testees.node_command("prefill", api, bootstrap_port=boot, mutant="crash-on-malformed")
+    pid, log = tmp_path / "p.pid", tmp_path / "p.log"
+    start = f"setsid {shlex.join(node)} >> {log} 2>&1 < /dev/null & echo $! > {pid}"
+    subprocess.run(start, shell=True, check=True, timeout=10)
+    try:
+        url = f"http://127.0.0.1:{api}"
+        _wait_healthy(url)
+        yield url, f"http://127.0.0.1:{boot}", start
+    finally:
+        _stop_group(int(pid.read_text()))
+
+
+def _wait_healthy(url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, f"{url} not healthy after {timeout}s"
+        time.sleep(0.2)
+
+
+def _stop_group(pid: int, timeout: float = 15.0) -> None:
+    """SIGTERM to the process group ``setsid`` made, then SIGKILL; bounded."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def test_a_restart_command_brings_back_a_p_that_stopped(
+    restartable_p: Restartable, tmp_path: Path
+) -> None:
+    """After the case that crashes P, --restart-command starts it again, the run learns its new
+    worker addresses, and the case after it runs and passes: with that failure known, the run
+    is clean."""
+    url, bootstrap, start = restartable_p
+    known = tmp_path / "known-failing.txt"
+    known.write_text(f"{BREAKS}  # the mutant's worker exits on it\n")
+    code, ran = _run(
+        url, bootstrap, tmp_path, "--restart-command", start, "--restart-timeout", "60",
+        "--known-failing", str(known),
+    )  # fmt: skip
+    assert [(i, v) for i, v, _ in ran] == [(BREAKS, "fail"), ("producer/3.4/1", "pass")], ran
+    assert "stopped serving after this case" in ran[0][2] and "was restarted" in ran[0][2]
+    assert code == cli.EXIT_OK
+
+
+def _run(
+    url: str, bootstrap: str, tmp_path: Path, *extra: str
+) -> tuple[int, list[tuple[str, str, str]]]:
+    """``BREAKS`` then ``producer/3.4/1`` against the P at ``url``: the exit status and each
+    case's id, verdict and detail, in run order."""
+    report = tmp_path / "run.json"
+    code = cli.main(
+        ["producer", "--api", url, "--bootstrap", bootstrap, "-q", "--timeout", "3",
+         "--cases", f"{BREAKS},producer/3.4/1", "--json", str(report), *extra]
+    )  # fmt: skip
+    doc = json.loads(report.read_text())["cases"]
+    return code, [(c["id"], c["verdict"], c["detail"]) for c in doc]
 
 
 def test_cases_that_break_a_testee_run_last() -> None:

@@ -190,7 +190,7 @@ def in_tree(role: str) -> dict[str, Any]:
     return {
         **IN_TREE,
         "kv_role": role,
-        "kv_connector_extra_config": {"mooncake_protocol": "tcp", "num_workers": 2},
+        "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
     }
 
 
