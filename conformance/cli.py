@@ -82,7 +82,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _geometry(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("P's KV geometry (default: from the fingerprint P registered)")
+    g = p.add_argument_group(
+        "P's KV geometry (default: from the fingerprint P registered, else from the config.json "
+        "of the model path GET /v1/models names and the block size of vLLM's /metrics)"
+    )
     g.add_argument("--layers", type=int)
     g.add_argument("--kv-heads", type=int)
     g.add_argument("--head-dim", type=int)

@@ -26,6 +26,8 @@ from pdwire.http_models import EngineEntry, QueryResponse, decode_json
 from pdwire.messages import Fingerprint
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
+from .discovery import Found, discover
+
 OK, PROBLEM, UNKNOWN = "ok", "PROBLEM", "unknown"
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 BOOTSTRAP_FIX: Final = (
@@ -189,6 +191,7 @@ class Preflight:
                 f"{self.prefill}/pdwire/stats",
             )
             got = await asyncio.gather(*(_get(http, u) for u in urls))
+            found = await discover(http, self.prefill, self.timeout)
         p_health, d_health, b_health, query, p_models, d_models, d_stats, p_stats = got
         self.findings.append(
             _health("P", self.prefill, p_health, "start P, or correct --prefill URL")
@@ -204,6 +207,7 @@ class Preflight:
             self._check_versions(entry, stats)
             self._check_fingerprints(entry, stats)
             self._check_pairing(entry, stats)
+        self._check_geometry(entry, found)
         p_info = p_stats.body if p_stats.ok and isinstance(p_stats.body, dict) else {}
         self._check_layouts(p_info, stats)
         return self.findings
@@ -354,6 +358,21 @@ class Preflight:
             )
         else:
             self.add("fingerprints", OK, "P's and D's are equal")
+
+    def _check_geometry(self, entry: EngineEntry | None, found: Found) -> None:
+        """The KV geometry the producer suite takes for P when given none: P's fingerprint, else
+        what its model's config.json and its /metrics say (``discovery``)."""
+        if entry is not None and entry.fingerprint is not None:
+            self.add("geometry", OK, "P's fingerprint gives its KV geometry")
+        elif found.geometry is not None:
+            self.add("geometry", OK, f"P's KV geometry: {found.describe()}")
+        else:
+            self.add(
+                "geometry",
+                UNKNOWN,
+                f"P registered no fingerprint and {found.missing}",
+                "give the producer suite --layers, --kv-heads, --head-dim and --block-size",
+            )
 
     def _check_layouts(self, p_stats: dict[str, Any], d_stats: dict[str, Any]) -> None:
         """How each side's KV blocks lie (``--kv-layout``), as a pdwire node says in its stats:

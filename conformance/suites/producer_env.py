@@ -26,6 +26,7 @@ from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, LEGACY, PDWIRE_2
 
 from ..case import CaseFailed, Unsupported, WireLog, expect, given
+from ..discovery import discover
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, request, request_id, transfer_id
@@ -84,14 +85,17 @@ class ProducerEnv:
         if isinstance(fp, dict):
             self.fingerprint = Fingerprint(**fp)
         geometry = self.options.geometry
-        if geometry is None:
-            if self.fingerprint is None:
-                raise RuntimeError(
-                    "P registered no fingerprint: give its KV geometry (--layers, --kv-heads, "
-                    "--head-dim, --block-size)"
-                )
+        if geometry is None and self.fingerprint is not None:
             f = self.fingerprint
             geometry = Geometry(f.num_layers, f.num_kv_heads, f.head_size, f.block_size)
+        if geometry is None:
+            found = await discover(self.http, self.options.api, self.options.request_timeout)
+            if found.geometry is None:
+                raise RuntimeError(
+                    f"P registered no fingerprint and {found.missing}: give its KV geometry "
+                    "(--layers, --kv-heads, --head-dim, --block-size)"
+                )
+            geometry = found.geometry
         kernel = self.options.kernel_block_size or geometry.kernel_block_size
         window = self.options.sliding_window or geometry.sliding_window
         try:

