@@ -24,7 +24,8 @@ from .selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites
 
 #: Longer than the testees' timers: what a mutant run left behind must be freed by then.
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
-#: Runs of one mutant when a testee fails to start or to switch (not when a case fails).
+#: Runs of one mutant when a testee fails to start or to switch, or when its run on a node of
+#: its own was inconclusive (``MutantResult.inconclusive``); never when a case passed.
 TRIES = 2
 #: How many mutants of the suites that start a testee of their own for each case (registration)
 #: are checked side by side: they share nothing, and most of each is waiting for P to start.
@@ -45,6 +46,13 @@ class MutantResult:
     @property
     def caught(self) -> bool:
         return bool(self.verdicts) and all(v == Verdict.FAIL for v in self.verdicts.values())
+
+    @property
+    def inconclusive(self) -> bool:
+        """No case passed, but some could not run (unsupported or skipped: a timing case
+        whose testee was too slow under load, say), so the mutant is neither caught nor shown
+        to survive."""
+        return Verdict.PASS.value not in self.verdicts.values() and not self.caught
 
 
 async def _on_own_node(
@@ -222,5 +230,13 @@ async def _check_one(
                 flush=True,
             )
         result.mode = "own node"
-        result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, layout)
+        for attempt in range(TRIES):
+            result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, layout)
+            if result.caught or not result.inconclusive or attempt == TRIES - 1:
+                break
+            print(
+                f"{m.name}: inconclusive on a node of its own ({result.verdicts}); once more",
+                file=sys.stderr,
+                flush=True,
+            )
     return result

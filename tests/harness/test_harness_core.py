@@ -298,3 +298,16 @@ def test_matrix_manifest_gate_must_be_a_pair_case(tmp_path: Path) -> None:
         path.write_text(json.dumps({**doc, "gate": wrong}))
         with pytest.raises(ManifestError, match="not a case of the pair suite"):
             load_manifest(path)
+
+
+def test_a_mutant_run_with_no_pass_and_a_case_that_could_not_run_is_inconclusive() -> None:
+    """Such a run is tried again on a node of its own; one where a case passed is a survivor."""
+    from conformance.mutation import MutantResult
+
+    def result(*verdicts: str) -> MutantResult:
+        return MutantResult("m", "prefill", "own node", {str(i): v for i, v in enumerate(verdicts)})
+
+    assert result("fail", "unsupported").inconclusive
+    assert not result("fail", "unsupported").caught
+    assert not result("fail", "pass", "unsupported").inconclusive
+    assert not result("fail", "fail").inconclusive and result("fail", "fail").caught
