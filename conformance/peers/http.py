@@ -30,7 +30,8 @@ class HttpResult:
     def output(self) -> tuple[str, list[int] | None, list[float] | None]:
         """The completion text, and where the answer has them its generated token ids (vLLM's
         ``return_token_ids``) and their log probabilities (``logprobs``): a tiny model's text,
-        even its tokens, may be the same whatever its KV, where its log probabilities are not."""
+        even its tokens, may be the same whatever its KV, where its log probabilities are not
+        (``consumer_env.same_output`` compares two)."""
         try:
             choice = self.body["choices"][0]
             ids = choice.get("token_ids")

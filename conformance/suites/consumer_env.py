@@ -68,6 +68,25 @@ class ConsumerOptions:
 
 #: What a completion request asks for so that its answer has all of ``HttpResult.output``.
 OUTPUT_BODY: Final = {"return_token_ids": True, "logprobs": 1}
+#: Log probabilities this close are taken as one computation's: a recompute of the same prompt
+#: in another batch may move them a little, KV that is not the prompt's moves them far.
+LOGPROB_TOLERANCE: Final = 0.01
+
+Output = tuple[str, list[int] | None, list[float] | None]
+
+
+def same_output(a: Output, b: Output) -> bool:
+    """Whether two answers (``HttpResult.output``) are one computation's: the same text and
+    token ids, and log probabilities within ``LOGPROB_TOLERANCE`` of each other."""
+    (text_a, ids_a, lp_a), (text_b, ids_b, lp_b) = a, b
+    if text_a != text_b or ids_a != ids_b:
+        return False
+    if lp_a is None or lp_b is None:
+        return lp_a == lp_b
+    return len(lp_a) == len(lp_b) and all(
+        x == y or (x is not None and y is not None and abs(x - y) <= LOGPROB_TOLERANCE)
+        for x, y in zip(lp_a, lp_b, strict=True)
+    )
 
 
 class ConsumerEnv:
@@ -308,9 +327,7 @@ class ConsumerCtx:
         """D's own text for ``prompt``: no kv_transfer_params (its prefix cache kept apart)."""
         return (await self._local(prompt)).text()
 
-    async def local_output(
-        self, prompt: list[int]
-    ) -> tuple[str, list[int] | None, list[float] | None]:
+    async def local_output(self, prompt: list[int]) -> Output:
         """D's own output (``HttpResult.output``, asked with ``OUTPUT_BODY``) for ``prompt``."""
         return (await self._local(prompt, **OUTPUT_BODY)).output()
 

@@ -311,3 +311,16 @@ def test_a_mutant_run_with_no_pass_and_a_case_that_could_not_run_is_inconclusive
     assert not result("fail", "unsupported").caught
     assert not result("fail", "pass", "unsupported").inconclusive
     assert not result("fail", "fail").inconclusive and result("fail", "fail").caught
+
+
+def test_two_answers_are_one_computations_within_the_logprob_tolerance() -> None:
+    """consumer/5.2/2 takes D's answer for a recompute when it is its local one: the same text
+    and tokens, log probabilities a batch may move a little; KV not the prompt's moves them far."""
+    from conformance.suites.consumer_env import same_output
+
+    local = ("", [0, 5], [-1.0, -2.0])
+    assert same_output(local, ("", [0, 5], [-1.004, -1.998]))
+    assert not same_output(local, ("", [0, 5], [-1.0, -2.5]))
+    assert not same_output(local, ("", [0, 6], [-1.0, -2.0]))
+    assert same_output(("a", None, None), ("a", None, None))
+    assert not same_output(("a", None, None), ("b", None, None))
