@@ -5,6 +5,7 @@ its ``GET /v1/models`` names a local path (vLLM's ``root``), and the block size 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import re
@@ -71,11 +72,27 @@ def cache_info(metrics: str) -> dict[str, str]:
 
 async def discover(http: httpx.AsyncClient, api: str, timeout: float = 10.0) -> Found:
     """What P's API at ``api`` says of its KV geometry."""
+
+    async def get(route: str) -> httpx.Response | None:
+        try:
+            return await http.get(f"{api}{route}", timeout=timeout)
+        except httpx.HTTPError:
+            return None
+
+    models, metrics = await asyncio.gather(get("/v1/models"), get("/metrics"))
     try:
-        models = (await http.get(f"{api}/v1/models", timeout=timeout)).json()
+        body = models.json() if models is not None else None
+    except ValueError:
+        body = None
+    return found_in(api, body, metrics.text if metrics is not None else "")
+
+
+def found_in(api: str, models: Any, metrics: str) -> Found:
+    """The geometry that P's ``GET /v1/models`` body ``models`` and ``/metrics`` text say."""
+    try:
         entry = models["data"][0]
         root = str(entry.get("root") or entry["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError, AttributeError):
+    except (KeyError, IndexError, TypeError, AttributeError):
         return Found(None, missing=f"GET {api}/v1/models names no model")
     config_path = Path(root) / "config.json"
     try:
@@ -85,10 +102,7 @@ async def discover(http: httpx.AsyncClient, api: str, timeout: float = 10.0) -> 
         return Found(None, missing=why)
     if isinstance(dims, str):
         return Found(None, missing=f"the model at {root}: {dims}")
-    try:
-        info = cache_info((await http.get(f"{api}/metrics", timeout=timeout)).text)
-    except httpx.HTTPError:
-        info = {}
+    info = cache_info(metrics)
     if not info.get("block_size", "").isdigit():
         return Found(None, missing=f"GET {api}/metrics has no vllm:cache_config_info block_size")
     layers, kv_heads, head, elem = dims

@@ -26,7 +26,7 @@ from pdwire.http_models import EngineEntry, QueryResponse, decode_json
 from pdwire.messages import Fingerprint
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
-from .discovery import Found, discover
+from .discovery import Found, found_in
 
 OK, PROBLEM, UNKNOWN = "ok", "PROBLEM", "unknown"
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -189,10 +189,12 @@ class Preflight:
                 f"{self.decode}/v1/models",
                 f"{self.decode}/pdwire/stats",
                 f"{self.prefill}/pdwire/stats",
+                f"{self.prefill}/metrics",
             )
             got = await asyncio.gather(*(_get(http, u) for u in urls))
-            found = await discover(http, self.prefill, self.timeout)
-        p_health, d_health, b_health, query, p_models, d_models, d_stats, p_stats = got
+        p_health, d_health, b_health, query, p_models, d_models, d_stats, p_stats, metrics = got
+        text = metrics.body if metrics.ok and isinstance(metrics.body, str) else ""
+        found = found_in(self.prefill, p_models.body, text)
         self.findings.append(
             _health("P", self.prefill, p_health, "start P, or correct --prefill URL")
         )

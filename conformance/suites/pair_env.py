@@ -23,6 +23,7 @@ import httpx
 from ..case import Case, CaseFailed, Suite, Unsupported, WireLog, expect
 from ..peers.http import HttpResult, request, request_id, transfer_id
 from ..peers.observer import HARNESS, REAL, Observer, Problem, Relayed
+from ..peers.p_engine import OfPEngine, PEngine, query_engine
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
 #: Prompts of different lengths: shorter than a block, a few blocks, many blocks.
@@ -209,7 +210,7 @@ def _take_event(answer: Answer, event: Any, parts: list[str]) -> None:
         answer.usage = event["usage"]
 
 
-class PairEnv:
+class PairEnv(OfPEngine):
     """What every pair case shares: the addresses, P's engine, the observer, D's local texts."""
 
     def __init__(self, options: PairOptions) -> None:
@@ -218,9 +219,7 @@ class PairEnv:
         self.observer = Observer(
             options.prefill_bootstrap, host=options.observer_host, timeout=options.request_timeout
         )
-        self.engine_id = ""
-        self.dp_rank = 0
-        self.entry: dict[str, Any] = {}
+        self.p = PEngine({}, 0, {})
         self.model = options.model or ""
         self.local_cache: dict[str, Answer] = {}
         self.views = itertools.count(1)
@@ -234,19 +233,12 @@ class PairEnv:
                     f"{name} at {url} does not answer GET /health with 200 "
                     f"(HTTP {got.status} {got.error or _short(got.body)}): is it up?"
                 )
-        got = await request(self.http, "GET", f"{o.prefill_bootstrap}/query", log)
-        if not got.ok or not isinstance(got.body, dict) or not got.body:
-            raise RuntimeError(
-                f"P's bootstrap server at {o.prefill_bootstrap} gave no engine on GET /query "
-                f"(HTTP {got.status} {got.error or _short(got.body)})"
-            )
-        for dp, entry in got.body.items():
-            if isinstance(entry, dict) and o.engine_id in (None, entry.get("engine_id")):
-                self.dp_rank, self.entry = int(dp), entry
-                self.engine_id = str(entry.get("engine_id") or "")
-                break
-        if not self.engine_id:
-            raise RuntimeError(f"no engine {o.engine_id!r} at {o.prefill_bootstrap}")
+        picked = await query_engine(self.http, o.prefill_bootstrap, o.engine_id, log)
+        if isinstance(picked, str):
+            raise RuntimeError(picked)
+        if not picked.engine_id:
+            raise RuntimeError(f"P's engine at {o.prefill_bootstrap} has no engine_id")
+        self.p = picked
         if not self.model:
             models = await request(self.http, "GET", f"{o.decode}/v1/models", log)
             try:
@@ -267,20 +259,6 @@ class PairEnv:
         if x.p.ok and x.d.ok:
             return None
         return f"a plain request failed: P {x.p.describe()}; D {x.d.describe()}"
-
-    @property
-    def p_version(self) -> int:
-        return int(self.entry.get("pdwire_version") or 0)
-
-    @property
-    def p_tp(self) -> int:
-        return int(self.entry.get("tp_size") or len(self.entry.get("worker_addr") or {}) or 1)
-
-    @property
-    def p_pp(self) -> int:
-        addrs: dict[str, dict[str, str]] = self.entry.get("worker_addr") or {}
-        first: dict[str, str] = next(iter(addrs.values()), {})
-        return int(self.entry.get("pp_size") or len(first) or 1)
 
     @property
     def block_size(self) -> int | None:

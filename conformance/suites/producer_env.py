@@ -30,6 +30,7 @@ from ..discovery import discover
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, request, request_id, transfer_id
+from ..peers.p_engine import OfPEngine, PEngine, query_engine
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
 PULL_FIRST_QUIET: Final = 2.0  # seconds; see ProducerCtx.pull_first_quiet
@@ -58,7 +59,7 @@ class ProducerOptions:
     kv_together: bool = False  # P's regions are one per layer, K and V together; the fake D's too
 
 
-class ProducerEnv:
+class ProducerEnv(OfPEngine):
     """What every producer case shares: P's addresses, sizes and geometry, and the harness's
     engine and sockets."""
 
@@ -67,9 +68,7 @@ class ProducerEnv:
         self.http = httpx.AsyncClient(timeout=options.request_timeout)
         self.zmq = zmq.asyncio.Context()
         self.engine: Engine | None = None
-        self.query: dict[str, Any] = {}
-        self.entry: dict[str, Any] = {}
-        self.dp_rank = 0
+        self.p = PEngine({}, 0, {})
         self.geometry = Geometry()
         self.fingerprint: Fingerprint | None = None
         self.model = options.model or ""
@@ -125,37 +124,18 @@ class ProducerEnv:
     async def refresh(self) -> str | None:
         """Learn P's engine and its workers' addresses from its bootstrap server: None when it
         named them, else what went wrong."""
-        got = await request(self.http, "GET", f"{self.options.bootstrap}/query", WireLog())
-        if not got.ok or not isinstance(got.body, dict) or not got.body:
-            return (
-                f"P's bootstrap server at {self.options.bootstrap} gave no engine on GET /query "
-                f"(HTTP {got.status} {got.error or got.body!r}): is P up and registered?"
-            )
-        for dp, entry in got.body.items():
-            if self.options.engine_id in (None, entry.get("engine_id")):
-                self.query, self.dp_rank, self.entry = got.body, int(dp), entry
-                return None
-        return f"no engine {self.options.engine_id!r} at {self.options.bootstrap}"
+        o = self.options
+        picked = await query_engine(self.http, o.bootstrap, o.engine_id, WireLog())
+        if isinstance(picked, str):
+            return picked
+        self.p = picked
+        return None
 
     async def close(self) -> None:
         await self.http.aclose()
         self.zmq.destroy(linger=0)
         if self.engine is not None:
             self.engine.close()
-
-    @property
-    def p_tp(self) -> int:
-        return int(self.entry.get("tp_size") or len(self.entry.get("worker_addr", {})) or 1)
-
-    @property
-    def p_pp(self) -> int:
-        addrs: dict[str, dict[str, str]] = self.entry.get("worker_addr", {})
-        first: dict[str, str] = next(iter(addrs.values()), {})
-        return int(self.entry.get("pp_size") or len(first) or 1)
-
-    @property
-    def p_version(self) -> int:
-        return int(self.entry.get("pdwire_version") or 0)
 
     async def serving(self) -> str | None:
         """Whether P still serves (``runner.Probe``): its bootstrap server answers ``/query``

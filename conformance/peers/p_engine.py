@@ -1,0 +1,89 @@
+"""P's engine as its bootstrap server names it on ``GET /query`` (§4.3): the one entry the
+harness tests, and the sizes and version that entry says."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import httpx
+
+from ..case import WireLog
+from .http import request
+
+
+@dataclasses.dataclass(frozen=True)
+class PEngine:
+    """One DP rank's entry of a ``/query`` answer."""
+
+    query: dict[str, Any]
+    dp_rank: int
+    entry: dict[str, Any]
+
+    @property
+    def engine_id(self) -> str:
+        return str(self.entry.get("engine_id") or "")
+
+    @property
+    def tp(self) -> int:
+        return int(self.entry.get("tp_size") or len(self.entry.get("worker_addr") or {}) or 1)
+
+    @property
+    def pp(self) -> int:
+        addrs: dict[str, dict[str, str]] = self.entry.get("worker_addr") or {}
+        first: dict[str, str] = next(iter(addrs.values()), {})
+        return int(self.entry.get("pp_size") or len(first) or 1)
+
+    @property
+    def version(self) -> int:
+        return int(self.entry.get("pdwire_version") or 0)
+
+
+class OfPEngine:
+    """What a suite's world that tests one engine of P (``p``) says of it."""
+
+    p: PEngine
+
+    @property
+    def query(self) -> dict[str, Any]:
+        return self.p.query
+
+    @property
+    def dp_rank(self) -> int:
+        return self.p.dp_rank
+
+    @property
+    def entry(self) -> dict[str, Any]:
+        return self.p.entry
+
+    @property
+    def engine_id(self) -> str:
+        return self.p.engine_id
+
+    @property
+    def p_tp(self) -> int:
+        return self.p.tp
+
+    @property
+    def p_pp(self) -> int:
+        return self.p.pp
+
+    @property
+    def p_version(self) -> int:
+        return self.p.version
+
+
+async def query_engine(
+    http: httpx.AsyncClient, bootstrap: str, engine_id: str | None, log: WireLog
+) -> PEngine | str:
+    """The entry of ``engine_id`` (any engine when None) at ``bootstrap``, or why there is none."""
+    got = await request(http, "GET", f"{bootstrap}/query", log)
+    if not got.ok or not isinstance(got.body, dict) or not got.body:
+        return (
+            f"P's bootstrap server at {bootstrap} gave no engine on GET /query "
+            f"(HTTP {got.status} {got.error or repr(got.body)[:300]}): is P up and registered?"
+        )
+    for dp, entry in got.body.items():
+        if isinstance(entry, dict) and engine_id in (None, entry.get("engine_id")):
+            return PEngine(got.body, int(dp), entry)
+    return f"no engine {engine_id!r} at {bootstrap}"
