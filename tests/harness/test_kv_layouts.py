@@ -15,6 +15,7 @@ import pytest
 
 from conformance import cli, testees
 from pdwire.sim.geometry import Geometry
+from tests import suite_report
 
 pytestmark = pytest.mark.conformance
 pytest.importorskip("mooncake.engine")
@@ -49,12 +50,12 @@ def p_together() -> Iterator[testees.Testee]:
 
 
 def _producer(p: testees.Testee, tmp_path: Path, *layout: str) -> dict[str, dict[str, str]]:
-    report = tmp_path / "run.json"
-    cli.main(
+    _, doc = suite_report.run(
+        tmp_path, "run",
         ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *testees.GEOMETRY, *layout,
-         "-q", "--timeout", "3", "--cases", TRANSFER, "--json", str(report)]
+         "--timeout", "3", "--cases", TRANSFER],
     )  # fmt: skip
-    return {c["id"]: c for c in json.loads(report.read_text())["cases"]}
+    return suite_report.cases(doc)
 
 
 def test_the_fake_d_takes_the_layout_it_is_told(p_together: testees.Testee, tmp_path: Path) -> None:
@@ -70,12 +71,12 @@ def test_a_pair_transfers_only_between_equal_layouts(
 ) -> None:
     d = testees.start_node("decode", profile="legacy", extra=["--kv-layout", d_layout])
     try:
-        report = tmp_path / "pair.json"
-        cli.main(
+        _, doc = suite_report.run(
+            tmp_path, "pair",
             ["pair", "--prefill", f"{p_together.url}@{p_together.bootstrap}", "--decode", d.url,
-             "-q", "--cases", "pair/5.2/1", "--json", str(report)]
+             "--cases", "pair/5.2/1"],
         )  # fmt: skip
-        (case,) = json.loads(report.read_text())["cases"]
+        case = suite_report.only(doc)
     finally:
         d.stop()
     # D checks every byte it loaded against the prompt's KV (the node's --verify-kv default)
@@ -89,12 +90,12 @@ def test_heads_split_over_tp_within_blocks_that_hold_k_and_v(tmp_path: Path) -> 
     p = testees.start_node("prefill", tp=2, profile="legacy", extra=layout)
     d = testees.start_node("decode", profile="legacy", extra=layout)
     try:
-        report = tmp_path / "pair.json"
-        cli.main(
-            ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url, "-q",
-             "--cases", "pair/5.2/1", "--json", str(report)]
+        _, doc = suite_report.run(
+            tmp_path, "pair",
+            ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url,
+             "--cases", "pair/5.2/1"],
         )  # fmt: skip
-        (case,) = json.loads(report.read_text())["cases"]
+        case = suite_report.only(doc)
     finally:
         p.stop()
         d.stop()

@@ -3,7 +3,6 @@ proxy mutant fails the case that names it."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -12,14 +11,13 @@ import pytest
 
 from conformance import cli
 from conformance.suites.proxy_env import KEY_ENV, REFERENCE_COMMAND
+from tests import suite_report
 
 pytestmark = pytest.mark.conformance
 
 
 def _run(tmp_path: Path, command: str, *args: str) -> tuple[int, dict[str, Any]]:
-    report = tmp_path / "proxy.json"
-    code = cli.main(["proxy", "-q", "--command", command, "--json", str(report), *args])
-    return code, json.loads(report.read_text())
+    return suite_report.run(tmp_path, "proxy", ["proxy", "--command", command, *args])
 
 
 def test_reference_proxy_passes_every_case(
@@ -44,7 +42,7 @@ def test_a_proxy_mutant_fails_its_case(tmp_path: Path) -> None:
     code, doc = _run(
         tmp_path, f"{REFERENCE_COMMAND} --mutant proxy-serial-legs", "--cases", "proxy/5.4/7"
     )
-    [only] = doc["cases"]
+    only = suite_report.only(doc)
     assert only["verdict"] == "fail", only
     assert "waited for P" in only["detail"]
     assert code == cli.EXIT_FAILED

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from conformance.peers.registrar import Registrar, Script
 from pdwire.http_models import RegisterWorkerPayload
 from reference_connector import bootstrap_client
 from reference_connector.bootstrap_client import BootstrapError
+from tests import suite_report
 
 PAYLOAD = RegisterWorkerPayload(
     engine_id="e", dp_rank=0, tp_rank=1, pp_rank=0, addr="tcp://127.0.0.1:5555"
@@ -116,9 +116,9 @@ def test_a_bad_own_template_is_a_usage_error(capsys: pytest.CaptureFixture[str])
 
 
 def test_the_own_server_case_is_skipped_without_own_command(tmp_path: Path) -> None:
-    report = tmp_path / "r.json"
     template = "pdwire node --port {port} --bootstrap {bootstrap_address}"
     args = ["registration", "--command", template, "--cases", "registration/4.4/5"]
-    assert cli.main([*args, "--json", str(report)]) == cli.EXIT_OK
-    [row] = json.loads(report.read_text())["cases"]
+    code, doc = suite_report.run(tmp_path, "r", args, quiet=False)
+    assert code == cli.EXIT_OK
+    row = suite_report.only(doc)
     assert row["verdict"] == "skipped" and "--own-command" in row["detail"]

@@ -4,13 +4,13 @@ reason, while every other pair case runs."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from conformance import cli, testees
+from tests import suite_report
 
 pytestmark = pytest.mark.conformance
 pytest.importorskip("mooncake.engine")
@@ -33,12 +33,12 @@ def test_a_d_without_a_chat_template_leaves_the_chat_case_unsupported(
     pair_without_chat: tuple[testees.Testee, testees.Testee], tmp_path: Path
 ) -> None:
     p, d = pair_without_chat
-    report = tmp_path / "pair.json"
-    code = cli.main(
-        ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url, "-q",
-         "--cases", f"{CHAT},pair/5.2/1", "--json", str(report)]
+    code, doc = suite_report.run(
+        tmp_path, "pair",
+        ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url,
+         "--cases", f"{CHAT},pair/5.2/1"],
     )  # fmt: skip
-    cases = {c["id"]: c for c in json.loads(report.read_text())["cases"]}
+    cases = suite_report.cases(doc)
     assert code == cli.EXIT_OK
     assert cases["pair/5.2/1"]["verdict"] == "pass"
     assert cases[CHAT]["verdict"] == "unsupported", cases[CHAT]["detail"]

@@ -6,7 +6,6 @@ listed case that passes fails the run, so the lists stay true."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 
 from conformance import cli, testees
 from conformance.case import all_cases
+from tests import suite_report
 
 from . import releases
 
@@ -86,16 +86,13 @@ def _ids(suite: str, *without: str) -> str:
 
 
 def _run(tmp_path: Path, name: str, args: list[str]) -> tuple[int, dict[str, str]]:
-    report = tmp_path / f"{name}.json"
-    code = cli.main([*args, "-q", "--timeout", "5", "--json", str(report)])
-    doc = json.loads(report.read_text())
-    return code, {c["id"]: c["verdict"] for c in doc["cases"]}
+    code, doc = suite_report.run(tmp_path, name, [*args, "--timeout", "5"])
+    return code, suite_report.verdicts(doc)
 
 
 def _detail(tmp_path: Path, name: str, case_id: str) -> str:
     """What the report of the run ``name`` says about ``case_id``."""
-    doc = json.loads((tmp_path / f"{name}.json").read_text())
-    (found,) = (c for c in doc["cases"] if c["id"] == case_id)
+    found = suite_report.cases(suite_report.read(tmp_path, name))[case_id]
     return f"{found['verdict']}: {found['detail']}"
 
 

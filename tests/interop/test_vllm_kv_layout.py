@@ -5,13 +5,12 @@ with it and gets every block it asked for; told ``apart``, vLLM's P refuses its 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Final
 
 import pytest
 
-from conformance import cli
+from tests import suite_report
 
 from .test_vllm_conformance import GEOMETRY, _node
 
@@ -27,13 +26,12 @@ def test_vllm_p_on_the_cpu_layout_pairs_with_a_fake_d_of_that_layout(tmp_path: P
     try:
         verdicts = {}
         for layout in ("together", "apart"):
-            report = tmp_path / f"{layout}.json"
-            cli.main(
+            _, doc = suite_report.run(
+                tmp_path, layout,
                 ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *GEOMETRY,
-                 "--kv-layout", layout, "-q", "--timeout", "5", "--cases", TRANSFER,
-                 "--json", str(report)]
+                 "--kv-layout", layout, "--timeout", "5", "--cases", TRANSFER],
             )  # fmt: skip
-            (case,) = json.loads(report.read_text())["cases"]
+            case = suite_report.only(doc)
             verdicts[layout] = (case["verdict"], case["detail"])
     finally:
         p.stop()
