@@ -8,7 +8,10 @@ Installed with pdwire (entry point ``pytest11``), it adds options and three thin
 - the session fixture ``pdwire_testee``, whose ``check(case)`` runs one case against the testee
   the options name and turns its verdict into pytest's: pass passes; fail fails with the
   requirement and the wire log; non-strict warns (fails under ``--pdwire-strict``);
-  informational passes; unsupported and skipped skip.
+  informational passes; unsupported and skipped skip. After a failed case it asks the testee
+  whether it still serves: when not, ``--pdwire-restart-command`` restarts it, and without one
+  the cases left of that testee fail at once as blocked. Cases that may break a testee run
+  last.
 
 Every case at once, without writing a test::
 
@@ -33,7 +36,16 @@ import pytest
 from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
 
 from .case import Case, Suite, Verdict, WireLog, all_cases
-from .runner import Result, RunOptions, run_case, select
+from .runner import (
+    Result,
+    RunOptions,
+    blocked,
+    in_run_order,
+    probes,
+    run_case,
+    select,
+    stopped_after,
+)
 
 _OPTIONS = {
     Suite.PRODUCER: "--pdwire-producer",
@@ -142,6 +154,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="S",
         help="seconds to wait for any one reply of the testee (10)",
     )
+    group.addoption(
+        "--pdwire-restart-command",
+        metavar="COMMAND",
+        help="a shell command that restarts a testee that stopped serving after a failed case "
+        "(as pdwire conformance --restart-command takes it); without it, the cases left of "
+        "that testee fail at once as blocked",
+    )
+    group.addoption(
+        "--pdwire-restart-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds for --pdwire-restart-command and the testee's return together (600)",
+    )
     group.addoption("--pdwire-strict", action="store_true", help="a failed SHOULD case fails")
     group.addoption(
         "--pdwire-cases",
@@ -154,7 +180,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A test that takes the argument ``pdwire_case`` runs once per selected case."""
     if "pdwire_case" in metafunc.fixturenames:
-        chosen = select(all_cases(), metafunc.config.getoption("--pdwire-cases"))
+        chosen = in_run_order(select(all_cases(), metafunc.config.getoption("--pdwire-cases")))
         metafunc.parametrize("pdwire_case", chosen, ids=[c.id for c in chosen])
 
 
@@ -175,7 +201,12 @@ class Testee:
         )
         self._thread.start()
         self._worlds: dict[Suite, tuple[Any, Callable[[WireLog], Any]]] = {}
-        self._options = RunOptions(strict=bool(config.getoption("--pdwire-strict")))
+        self._stopped: dict[Suite, str] = {}  # why a suite's testee no longer serves
+        self._options = RunOptions(
+            strict=bool(config.getoption("--pdwire-strict")),
+            restart_command=config.getoption("--pdwire-restart-command"),
+            restart_timeout=float(config.getoption("--pdwire-restart-timeout")),
+        )
 
     def _call(self, coro: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -191,8 +222,17 @@ class Testee:
         return self._worlds[suite][1]
 
     def run(self, case: Case) -> Result:
+        """Run ``case``; after it failed, ask its testee whether it still serves, restart it
+        when told how, and else block the cases left of that testee."""
+        if case.suite in self._stopped:
+            return blocked(case, self._stopped[case.suite])
         ctx_for = self._world(case.suite)
         result: Result = self._call(run_case(case, ctx_for, self._options))
+        serving, restart = probes(self._worlds[case.suite][0], self._options)
+        if serving is not None:
+            why = self._call(stopped_after(result, serving, restart))
+            if why is not None:
+                self._stopped[case.suite] = f"the testee stopped serving after {case.id}: {why}"
         return result
 
     def check(self, case: Case) -> None:
@@ -202,6 +242,8 @@ class Testee:
             pytest.skip(f"{r.verdict.value}: {r.detail}")
         if r.verdict is Verdict.NON_STRICT:
             warnings.warn(f"{case.id} non-strict: {r.detail}\n{req}", stacklevel=2)
+        elif r.verdict is Verdict.BLOCKED:
+            pytest.fail(f"{case.id} {case.title}\n{r.detail}", pytrace=False)
         elif r.verdict is Verdict.FAIL:
             log = "\n".join(
                 f"{e.t:8.3f}s {e.direction} {e.channel} {e.what}" for e in r.log.entries

@@ -169,6 +169,22 @@ def blocked(case: Case, why: str) -> Result:
     return Result(case, Verdict.BLOCKED, 0.0, f"not run: {why}", WireLog())
 
 
+async def stopped_after(result: Result, serving: Probe, restart: Probe | None) -> str | None:
+    """Why the testee no longer serves after ``result``; None when the case did not fail, or
+    the testee still serves, or ``restart`` (when given) brought it back, which the result's
+    detail then says."""
+    if result.verdict not in _FAILED:
+        return None
+    why = await serving()
+    if why is None or restart is None:
+        return why
+    failed = await restart()
+    if failed is not None:
+        return f"{why}; restarting it failed: {failed}"
+    result.detail += f"\nthe testee stopped serving after this case ({why}), and was restarted"
+    return None
+
+
 async def run_cases(
     cases: Sequence[Case],
     ctx_for: Callable[[WireLog], Any],
@@ -185,16 +201,8 @@ async def run_cases(
         result = await run_case(case, ctx_for, options)
         results.append(result)
         why = None
-        if serving is not None and result.verdict in _FAILED and i < len(cases) - 1:
-            why = await serving()
-            if why is not None and restart is not None:
-                failed = await restart()
-                note = f"the testee stopped serving after this case ({why})"
-                if failed is None:
-                    result.detail += f"\n{note}, and was restarted"
-                    why = None
-                else:
-                    why = f"{why}; restarting it failed: {failed}"
+        if serving is not None and i < len(cases) - 1:
+            why = await stopped_after(result, serving, restart)
         if on_result is not None:
             on_result(result)
         if why is not None:
@@ -216,6 +224,21 @@ class SuiteEnv(Protocol):
     async def close(self) -> None: ...
 
 
+def probes(env: SuiteEnv, options: RunOptions) -> tuple[Probe | None, Probe | None]:
+    """What asks ``env``'s testee whether it still serves (None when it cannot tell, or the run
+    does not probe) and, given a restart command, what restarts it."""
+    probe: Probe | None = getattr(env, "serving", None) if options.probe else None
+    if probe is None or not options.restart_command:
+        return probe, None
+    return probe, functools.partial(
+        restart_testee,
+        options.restart_command,
+        options.restart_timeout,
+        probe,
+        getattr(env, "refresh", None),
+    )
+
+
 async def run_suite(
     env: SuiteEnv,
     suite: Suite,
@@ -228,16 +251,7 @@ async def run_suite(
     try:
         await env.open()
         chosen = in_run_order(c for c in cases if c.suite is suite)
-        probe: Probe | None = getattr(env, "serving", None) if options.probe else None
-        restart: Probe | None = None
-        if probe is not None and options.restart_command:
-            restart = functools.partial(
-                restart_testee,
-                options.restart_command,
-                options.restart_timeout,
-                probe,
-                getattr(env, "refresh", None),
-            )
+        probe, restart = probes(env, options)
         return await run_cases(chosen, ctx_for, options, on_result, probe, restart)
     finally:
         await env.close()

@@ -4,26 +4,19 @@ probe tells a serving testee from one that was stopped."""
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-import signal
-import subprocess
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-import httpx
 import pytest
 
-from conformance import cli, ports, testees
+from conformance import cli, testees
 from conformance.case import WireLog, all_cases
 from conformance.peers.fake_d import exchange
 from conformance.runner import in_run_order
 from conformance.suites.consumer_env import ConsumerEnv, ConsumerOptions
 from conformance.suites.pair_env import PairEnv, PairOptions
 from conformance.suites.producer_env import ProducerEnv, ProducerOptions
+from tests import suite_report
 
 pytestmark = pytest.mark.conformance
 pytest.importorskip("mooncake.engine")
@@ -32,26 +25,17 @@ pytest.importorskip("mooncake.engine")
 BREAKS: Final = "producer/2.1/5"
 
 
-@pytest.fixture
-def crashing_p() -> Iterator[testees.Testee]:
-    p = testees.start_node("prefill", mutant="crash-on-malformed")
-    try:
-        yield p
-    finally:
-        p.stop()
-
-
 def test_a_p_that_stops_serving_blocks_the_cases_left(
     crashing_p: testees.Testee, tmp_path: Path
 ) -> None:
-    report = tmp_path / "run.json"
     cases = f"{BREAKS},producer/3.1/2,producer/3.4/1"
-    code = cli.main(
-        ["producer", "--api", crashing_p.url, "--bootstrap", crashing_p.bootstrap, "-q",
-         "--timeout", "3", "--cases", cases, "--json", str(report)]
+    code, doc = suite_report.run(
+        tmp_path, "run",
+        ["producer", "--api", crashing_p.url, "--bootstrap", crashing_p.bootstrap,
+         "--timeout", "3", "--cases", cases],
     )  # fmt: skip
     assert code != cli.EXIT_OK
-    ran = [(c["id"], c["verdict"], c["detail"]) for c in json.loads(report.read_text())["cases"]]
+    ran = [(c["id"], c["verdict"], c["detail"]) for c in doc["cases"]]
     # producer/3.1/2 may break a testee itself, so it comes last
     assert [i for i, _, _ in ran] == [BREAKS, "producer/3.4/1", "producer/3.1/2"]
     assert ran[0][1] == "fail"
@@ -70,58 +54,8 @@ def test_a_restart_that_fails_blocks_the_cases_left(
     assert "restarting it failed: --restart-command exited with status 3" in ran[1][2]
 
 
-#: A P's API and bootstrap URLs, and the shell command that (re)starts it.
-Restartable = tuple[str, str, str]
-
-
-@pytest.fixture
-def restartable_p(tmp_path: Path) -> Iterator[Restartable]:
-    """A crash-on-malformed P started, as a user starts a server, by a shell command that puts
-    it in the background (``setsid``) and records its pid; the same command restarts it on the
-    same ports."""
-    api, boot = ports.free_port(), ports.free_port()
-    node = testees.node_command("prefill", api, bootstrap_port=boot, mutant="crash-on-malformed")
-    pid, log = tmp_path / "p.pid", tmp_path / "p.log"
-    start = f"setsid {shlex.join(node)} >> {log} 2>&1 < /dev/null & echo $! > {pid}"
-    subprocess.run(start, shell=True, check=True, timeout=10)
-    try:
-        url = f"http://127.0.0.1:{api}"
-        _wait_healthy(url)
-        yield url, f"http://127.0.0.1:{boot}", start
-    finally:
-        _stop_group(int(pid.read_text()))
-
-
-def _wait_healthy(url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not healthy after {timeout}s"
-        time.sleep(0.2)
-
-
-def _stop_group(pid: int, timeout: float = 15.0) -> None:
-    """SIGTERM to the process group ``setsid`` made, then SIGKILL; bounded."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
-
-
 def test_a_restart_command_brings_back_a_p_that_stopped(
-    restartable_p: Restartable, tmp_path: Path
+    restartable_p: tuple[str, str, str], tmp_path: Path
 ) -> None:
     """After the case that crashes P, --restart-command starts it again, the run learns its new
     worker addresses, and the case after it runs and passes: with that failure known, the run
@@ -143,13 +77,12 @@ def _run(
 ) -> tuple[int, list[tuple[str, str, str]]]:
     """``BREAKS`` then ``producer/3.4/1`` against the P at ``url``: the exit status and each
     case's id, verdict and detail, in run order."""
-    report = tmp_path / "run.json"
-    code = cli.main(
-        ["producer", "--api", url, "--bootstrap", bootstrap, "-q", "--timeout", "3",
-         "--cases", f"{BREAKS},producer/3.4/1", "--json", str(report), *extra]
+    code, doc = suite_report.run(
+        tmp_path, "run",
+        ["producer", "--api", url, "--bootstrap", bootstrap, "--timeout", "3",
+         "--cases", f"{BREAKS},producer/3.4/1", *extra],
     )  # fmt: skip
-    doc = json.loads(report.read_text())["cases"]
-    return code, [(c["id"], c["verdict"], c["detail"]) for c in doc]
+    return code, [(c["id"], c["verdict"], c["detail"]) for c in doc["cases"]]
 
 
 def test_cases_that_break_a_testee_run_last() -> None:

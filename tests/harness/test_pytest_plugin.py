@@ -56,3 +56,34 @@ def _consumer_cases_matching(prefix: str) -> int:
     from conformance.case import all_cases
 
     return sum(c.id.startswith(prefix) for c in all_cases())
+
+
+#: The case whose malformed pull makes a crash-on-malformed P's worker exit.
+BREAKS = "producer/2.1/5"
+
+
+def test_a_testee_that_stops_serving_blocks_its_cases_left(
+    pytester: pytest.Pytester, crashing_p: testees.Testee
+) -> None:
+    result = _run(pytester, crashing_p, "--pdwire-cases", f"producer/3.1/2,{BREAKS},producer/3.4/1")
+    result.assert_outcomes(failed=3)
+    # the case that may break a testee runs last; the cases after the one that broke it are
+    # blocked at once, naming it
+    result.stdout.fnmatch_lines(
+        [f"*{BREAKS}*", "*producer/3.4/1*", "*producer/3.1/2*"], consecutive=False
+    )
+    assert result.stdout.str().count(f"the testee stopped serving after {BREAKS}") == 2
+
+
+def test_a_restart_command_brings_the_testee_back(
+    pytester: pytest.Pytester, restartable_p: tuple[str, str, str]
+) -> None:
+    url, bootstrap, start = restartable_p
+    result = pytester.runpytest_subprocess(
+        "--pyargs", "conformance.pytest_cases", "-p", "no:cacheprovider",
+        "--pdwire-producer", f"{url}@{bootstrap}", "--pdwire-timeout", "3",
+        "--pdwire-cases", f"{BREAKS},producer/3.4/1",
+        "--pdwire-restart-command", start, "--pdwire-restart-timeout", "60",
+    )  # fmt: skip
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*stopped serving after this case*was restarted*"])

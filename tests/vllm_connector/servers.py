@@ -126,6 +126,11 @@ class Server:
         found = [line for line in self._lines() if "rror" in line or "xception" in line]
         return "\n".join(list(dict.fromkeys(found))[:most])
 
+    def warnings(self, most: int = 15) -> str:
+        """The log's last ``most`` warning and error lines: what vLLM says went wrong."""
+        found = [line for line in self._lines() if " WARNING " in line or " ERROR " in line]
+        return "\n".join(found[-most:])
+
     def _lost_a_port(self) -> bool:
         return any(PORT_TAKEN in line for line in self._lines())
 
