@@ -113,7 +113,8 @@ def _geometry(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-layout",
         choices=KV_LAYOUTS,
-        help=f"P's KV layout (default: apart): {KV_LAYOUT_HELP}",
+        help=f"P's KV layout (default: as P's fingerprint names it, else apart; an MLA model's "
+        f"config gives mla): {KV_LAYOUT_HELP}",
     )
     g.add_argument(
         "--packed-rows",
@@ -555,7 +556,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         mamba=args.mamba,
         packed_rows=args.packed_rows,
         opaque_rows=args.opaque_rows,
-        kv_together=args.kv_layout == "together",
+        kv_layout=args.kv_layout,
     )
 
 

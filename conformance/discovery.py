@@ -1,7 +1,8 @@
 """A P's KV geometry where the P says it without a fingerprint: the model's ``config.json`` when
 its ``GET /v1/models`` names a local path (vLLM's ``root``), and the block size of vLLM's
 ``/metrics`` (the labels of ``vllm:cache_config_info``). Neither says how a layer's K and V lie
-(``--kv-layout``): that is the attention backend's choice, which no route of vLLM names."""
+(``--kv-layout``), the attention backend's choice, which no route of vLLM names; an MLA model's
+config says its single latent region per layer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import httpx
 
@@ -37,29 +38,41 @@ class Found:
         g = self.geometry
         if g is None:
             return self.missing
+        layout = "" if g.kv_layout == "apart" else f", KV layout {g.kv_layout}"
         return (
             f"{g.num_layers} layers, {g.num_kv_heads} KV heads, head size {g.head_dim}, block "
-            f"size {g.block_size} (from {' and '.join(self.sources)})"
+            f"size {g.block_size}{layout} (from {' and '.join(self.sources)})"
         )
 
 
-def model_dims(config: Mapping[str, Any]) -> tuple[int, int, int, int] | str:
-    """(layers, KV heads, head size, bytes per element) of a Hugging Face ``config.json``, or
-    why not."""
+class Dims(NamedTuple):
+    """What a model's ``config.json`` says of its KV cache."""
+
+    layers: int
+    kv_heads: int
+    head_size: int
+    elem_bytes: int
+    kv_layout: str = "apart"  # "mla" for a model whose config has a kv_lora_rank
+
+
+def model_dims(config: Mapping[str, Any]) -> Dims | str:
+    """The KV dimensions of a Hugging Face ``config.json``, or why not. An MLA model (vLLM: a
+    ``kv_lora_rank`` that is not null) caches one latent vector per token, of ``kv_lora_rank +
+    qk_rope_head_dim`` elements: one KV "head" of that size."""
     text = config.get("text_config")
     if "num_hidden_layers" not in config and isinstance(text, Mapping):
         config = text  # a multimodal model's language model
-    if "kv_lora_rank" in config:
-        return (
-            "it is an MLA model (kv_lora_rank): one latent region per layer, a layout the "
-            "fake D does not lay out"
-        )
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    elem = _DTYPE_BYTES.get(dtype, 2)
     try:
+        layers = int(config["num_hidden_layers"])
+        if config.get("kv_lora_rank") is not None:
+            latent = int(config["kv_lora_rank"]) + int(config.get("qk_rope_head_dim") or 0)
+            return Dims(layers, 1, latent, elem, "mla")
         heads = int(config["num_attention_heads"])
         kv_heads = int(config.get("num_key_value_heads") or heads)
         head = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-        return int(config["num_hidden_layers"]), kv_heads, head, _DTYPE_BYTES.get(dtype, 2)
+        return Dims(layers, kv_heads, head, elem)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         return f"its config.json has no usable {exc}"
 
@@ -105,8 +118,13 @@ def found_in(api: str, models: Any, metrics: str) -> Found:
     info = cache_info(metrics)
     if not info.get("block_size", "").isdigit():
         return Found(None, missing=f"GET {api}/metrics has no vllm:cache_config_info block_size")
-    layers, kv_heads, head, elem = dims
-    if info.get("cache_dtype", "auto").startswith("fp8"):
-        elem = 1
-    geometry = Geometry(layers, kv_heads, head, int(info["block_size"]), dtype_bytes=elem)
+    elem = 1 if info.get("cache_dtype", "auto").startswith("fp8") else dims.elem_bytes
+    geometry = Geometry(
+        dims.layers,
+        dims.kv_heads,
+        dims.head_size,
+        int(info["block_size"]),
+        dtype_bytes=elem,
+        kv_layout=dims.kv_layout,
+    )
     return Found(geometry, (str(config_path), f"{api}/metrics"))

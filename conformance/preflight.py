@@ -23,7 +23,7 @@ import httpx
 
 from pdwire.errors import DecodeError
 from pdwire.http_models import EngineEntry, QueryResponse, decode_json
-from pdwire.messages import Fingerprint
+from pdwire.messages import Fingerprint, layout_named
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
 from .discovery import Found, found_in
@@ -211,7 +211,7 @@ class Preflight:
             self._check_pairing(entry, stats)
         self._check_geometry(entry, found)
         p_info = p_stats.body if p_stats.ok and isinstance(p_stats.body, dict) else {}
-        self._check_layouts(p_info, stats)
+        self._check_layouts(entry, found, p_info, stats)
         return self.findings
 
     def _check_roles(self, p: _Got, d: _Got) -> None:
@@ -376,17 +376,28 @@ class Preflight:
                 "give the producer suite --layers, --kv-heads, --head-dim and --block-size",
             )
 
-    def _check_layouts(self, p_stats: dict[str, Any], d_stats: dict[str, Any]) -> None:
-        """How each side's KV blocks lie (``--kv-layout``), as a pdwire node says in its stats:
-        no message of the legacy profile carries it, and a mismatch fails every transfer."""
-        p, d = p_stats.get("kv_layout"), d_stats.get("kv_layout")
+    def _check_layouts(
+        self,
+        entry: EngineEntry | None,
+        found: Found,
+        p_stats: dict[str, Any],
+        d_stats: dict[str, Any],
+    ) -> None:
+        """How each side's KV blocks lie (``--kv-layout``): as a pdwire node's stats say, or as
+        a pdwire/2 fingerprint names it (§3.6.1), or, for P, as an MLA model's config says. No
+        message of the legacy profile carries it, and a mismatch fails every transfer."""
+        p_fp = entry.fingerprint if entry is not None else None
+        d_fp = _fingerprint(d_stats.get("fingerprint"))
+        mla = "mla" if found.geometry is not None and found.geometry.mla else None
+        p = p_stats.get("kv_layout") or (p_fp and layout_named(p_fp.kv_layout)) or mla
+        d = d_stats.get("kv_layout") or (d_fp and layout_named(d_fp.kv_layout))
         if p is None or d is None:
             self.add(
                 "kv layout",
                 UNKNOWN,
                 f"{_silent(p, d, 'do', 'does')} not say how its KV blocks lie; the producer "
-                "suite assumes 'apart' (FlashAttention's) unless told --kv-layout together "
-                "(vLLM's CPU backend)",
+                f"suite assumes {p or 'apart'!r} unless told --kv-layout (together: vLLM's "
+                "CPU backend; apart: FlashAttention's)",
             )
         elif p != d:
             self.add(

@@ -144,8 +144,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--pdwire-kv-layout",
         choices=KV_LAYOUTS,
-        default="apart",
-        help=f"with --pdwire-producer: {KV_LAYOUT_HELP}",
+        help="with --pdwire-producer, P's KV layout (default: as P's fingerprint names it, else "
+        f"apart): {KV_LAYOUT_HELP}",
     )
     group.addoption(
         "--pdwire-timeout",
@@ -278,7 +278,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 mamba=config.getoption("--pdwire-mamba"),
                 packed_rows=config.getoption("--pdwire-packed-rows"),
                 opaque_rows=config.getoption("--pdwire-opaque-rows"),
-                kv_together=config.getoption("--pdwire-kv-layout") == "together",
+                kv_layout=config.getoption("--pdwire-kv-layout"),
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)

@@ -48,7 +48,17 @@ _FP_LAYERS: Final = "Attention layers in the whole model."
 _FP_HEADS: Final = "KV heads in the whole model, before TP sharding."
 _FP_HEAD: Final = "Channels per head."
 _FP_BLOCK: Final = "Tokens per KV block."
-_FP_LAYOUT: Final = "Memory layout of a KV block, e.g. LBHNC."
+_FP_LAYOUT: Final = "Axis order of a region's KV block, as §3.6.1 registers it, e.g. LBHNC."
+
+#: The registered values of ``Fingerprint.kv_layout`` (§3.6.1), by the name of the layout
+#: (``--kv-layout``): the order of the axes of one region's block. L layer, B block, H KV head,
+#: N token, 2 K and V, C channel.
+KV_LAYOUT_NAMES: Final = {"apart": "LBHNC", "together": "LBHN2C", "mla": "LBNC"}
+
+
+def layout_named(kv_layout: str) -> str | None:
+    """The layout (``--kv-layout``) a fingerprint's ``kv_layout`` names; None if unregistered."""
+    return next((k for k, v in KV_LAYOUT_NAMES.items() if v == kv_layout), None)
 
 
 # A dataclass, not a Struct, so that both msgspec (side channel) and pydantic (bootstrap) use it;

@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             mamba=args.mamba,
             packed_rows=args.packed_rows,
             opaque_rows=args.opaque_rows,
-            kv_together=args.kv_layout == "together",
+            kv_layout=args.kv_layout,
         )
     except ValueError as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)

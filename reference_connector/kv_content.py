@@ -55,7 +55,7 @@ class KVShape:
     mamba: bool = False  # the odd layers are state-space layers: KV-cache group 1 (10.6.3)
     packed_rows: bool = False  # a block is one row of every layer, the regions views into it
     opaque_rows: bool = False  # packed rows registered whole (10.2.8), shared by groups (10.6.7)
-    kv_together: bool = False  # one region per layer, a block's K and V together (CPU backend)
+    kv_layout: str = "apart"  # how a layer's blocks lie (``Geometry.kv_layout``)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,7 +65,20 @@ class KVShape:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.vocab < 2:
             raise ValueError(f"vocab must be at least 2, got {self.vocab}")
-        self.geometry()  # checks kernel_block_size
+        if self.kv_layout == "mla" and self.head_dim % 2:
+            raise ValueError(f"an MLA latent here has an even size, got {self.head_dim}")
+        self.geometry()  # checks kernel_block_size and the layout
+
+    @property
+    def kv_together(self) -> bool:
+        return self.kv_layout == "together"
+
+    @property
+    def channels(self) -> int:
+        """Channels of a K (or V) row of the node's KV: an MLA latent of ``head_dim`` elements
+        is held as a token's K then its V, of half as many each (the "together" layout of one
+        head, byte for byte the latent's)."""
+        return self.head_dim // 2 if self.kv_layout == "mla" else self.head_dim
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,7 +100,7 @@ class KVShape:
             mamba=self.mamba,
             packed_rows=self.packed_rows,
             opaque_rows=self.opaque_rows,
-            kv_together=self.kv_together,
+            kv_layout=self.kv_layout,
         )
 
     def check_split(self, tp_size: int, pp_size: int) -> None:

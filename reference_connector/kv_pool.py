@@ -3,8 +3,9 @@
 ``KVPool`` is one contiguous tensor per worker, [its layers, K/V, rows, its heads, row tokens,
 head_dim]: for each layer, K then V, each an LBHNC region of ``num_blocks`` blocks, as
 ``Geometry.side`` lays them out (with ``packed_rows`` the tensor is [rows, layers, K/V, ...], each
-row holding every layer; with ``kv_together`` [layers, rows, heads, row tokens, K/V, head_dim],
-a token's K then its V, as vLLM's CPU attention backend lays them out; ``kv`` is each order seen
+row holding every layer; with ``kv_layout`` "together" [layers, rows, heads, row tokens, K/V,
+head_dim], a token's K then its V, as vLLM's CPU attention backend lays them out, and with "mla"
+the same of one head, whose K and V halves are the token's latent; ``kv`` is each order seen
 as the first). A row is a block, or with a
 kernel block size smaller than the block size one of the block's ``q`` kernel blocks: block ``b``
 is rows ``b*q ... b*q+q-1`` (10.6.6). ``register`` hands the tensor to the transfer engine and
@@ -44,13 +45,13 @@ class KVPool:
         self.q = geometry.kernel_blocks
         rows, heads = shape.num_blocks * self.q, len(self.heads)
         row_tokens = shape.block_size // self.q
-        cell = (heads, row_tokens, shape.head_dim)
+        cell = (heads, row_tokens, shape.channels)
         if geometry.packs_rows:  # a block is one row of every layer: [rows, layers, ...]
             self.storage = torch.zeros((rows, len(self.layers), 2, *cell), dtype=shape.torch_dtype)
             self.kv = self.storage.permute(1, 2, 0, 3, 4, 5)
-        elif geometry.kv_together:  # [layers, rows, heads, tokens, K/V, head_dim]
+        elif geometry.kv_layout != "apart":  # [layers, rows, heads, tokens, K/V, channels]
             self.storage = torch.zeros(
-                (len(self.layers), rows, heads, row_tokens, 2, shape.head_dim),
+                (len(self.layers), rows, heads, row_tokens, 2, shape.channels),
                 dtype=shape.torch_dtype,
             )
             self.kv = self.storage.permute(0, 4, 1, 2, 3, 5)

@@ -52,7 +52,7 @@ def kv_values(
 ) -> torch.Tensor:
     """The 16-bit patterns of the slice, int16 [layers, 2, heads, positions, channels]."""
     comb = _i16(_mix(_rows(layers, heads).unsqueeze(-1) ^ _columns(ids, positions), _K[6]))
-    return (comb.unsqueeze(-1) + _channels(shape.head_dim)) & _KEEP
+    return (comb.unsqueeze(-1) + _channels(shape.channels)) & _KEEP
 
 
 def kv_blocks(
@@ -73,7 +73,7 @@ def kv_blocks(
         )
     )
     comb = comb.view(len(layers), 2, len(heads), nb, bs).permute(0, 1, 3, 2, 4).unsqueeze(-1)
-    out = (comb + _channels(shape.head_dim)) & _KEEP
+    out = (comb + _channels(shape.channels)) & _KEEP
     if nb * bs > n:
         out[:, :, -1, :, n - (nb - 1) * bs :, :] = 0
     return out
@@ -93,7 +93,7 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
     layers, heads = range(shape.num_layers), range(shape.num_kv_heads)
     nb = shape.blocks_for(len(ids) + max_tokens)
     pool = torch.zeros(
-        (len(layers), 2, nb, len(heads), shape.block_size, shape.head_dim), dtype=torch.int16
+        (len(layers), 2, nb, len(heads), shape.block_size, shape.channels), dtype=torch.int16
     )
     prompt = kv_blocks(shape, ids, layers, heads)
     pool[:, :, : prompt.shape[2]] = prompt

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Literal
 
-from pdwire.messages import Fingerprint
+from pdwire.messages import KV_LAYOUT_NAMES, Fingerprint
 from pdwire.versions import PDWIRE_2, Profile
 
 from .kv_content import KVShape
@@ -82,7 +82,7 @@ class WorkerSpec:
             num_kv_heads=s.num_kv_heads,
             head_size=s.head_dim,
             block_size=s.block_size,
-            kv_layout="LBHNC",
+            kv_layout=KV_LAYOUT_NAMES[s.kv_layout],
         )
 
 

@@ -192,7 +192,7 @@ def expected_text(shape: KVShape, prompt: str, max_tokens: int) -> str:
 
 def prompt_kv_bytes(shape: KVShape, prompt_tokens: int) -> int:
     """The KV bytes of a prompt's whole blocks, over every layer, K and V, and head."""
-    per_block = shape.num_layers * 2 * shape.num_kv_heads * shape.block_size * shape.head_dim
+    per_block = shape.num_layers * 2 * shape.num_kv_heads * shape.block_size * shape.channels
     return shape.blocks_for(prompt_tokens) * per_block * shape.torch_dtype.itemsize
 
 

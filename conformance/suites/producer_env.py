@@ -20,7 +20,13 @@ import zmq.asyncio
 
 from pdwire import auth
 from pdwire.codec import encode_cancel, encode_heartbeat, encode_pull
-from pdwire.messages import Fingerprint, LeaseHeartbeat, XferCancel, XferMetadataV2
+from pdwire.messages import (
+    Fingerprint,
+    LeaseHeartbeat,
+    XferCancel,
+    XferMetadataV2,
+    layout_named,
+)
 from pdwire.planning import target_ranks
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, LEGACY, PDWIRE_2
@@ -56,7 +62,9 @@ class ProducerOptions:
     mamba: bool = False  # P's odd layers are state-space layers, its KV-cache group 1 (10.6.3)
     packed_rows: bool = False  # P's regions are slices of packed rows; the fake D's are too
     opaque_rows: bool = False  # P's packed rows are registered whole; the fake D's are too
-    kv_together: bool = False  # P's regions are one per layer, K and V together; the fake D's too
+    #: how P's blocks lie (``--kv-layout``); the fake D's lie the same. None: as P's fingerprint
+    #: names it (§3.6.1), else as its model's config says (MLA), else "apart"
+    kv_layout: str | None = None
 
 
 class ProducerEnv(OfPEngine):
@@ -95,6 +103,7 @@ class ProducerEnv(OfPEngine):
                     "(--layers, --kv-heads, --head-dim, --block-size)"
                 )
             geometry = found.geometry
+        announced = layout_named(self.fingerprint.kv_layout) if self.fingerprint else None
         kernel = self.options.kernel_block_size or geometry.kernel_block_size
         window = self.options.sliding_window or geometry.sliding_window
         try:
@@ -106,7 +115,7 @@ class ProducerEnv(OfPEngine):
                 mamba=self.options.mamba or geometry.mamba,
                 packed_rows=self.options.packed_rows or geometry.packed_rows,
                 opaque_rows=self.options.opaque_rows or geometry.opaque_rows,
-                kv_together=self.options.kv_together or geometry.kv_together,
+                kv_layout=self.options.kv_layout or announced or geometry.kv_layout,
             )
         except ValueError as exc:
             raise RuntimeError(

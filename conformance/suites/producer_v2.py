@@ -13,10 +13,10 @@ import msgspec
 
 from pdwire import error_strings
 from pdwire.consumer import mint_layout_id
-from pdwire.messages import Fingerprint, XferResponseStatus
+from pdwire.messages import KV_LAYOUT_NAMES, Fingerprint, XferResponseStatus, layout_named
 from pdwire.versions import ALL_CAPS, Capability
 
-from ..case import case, expect, expect_equal
+from ..case import Unsupported, case, expect, expect_equal
 from ..peers.fake_d import DWorker, PullResult
 from .producer_env import ProducerCtx
 from .producer_pairing import control, expect_slice, pull_each
@@ -153,6 +153,29 @@ async def no_fingerprint_is_fine(t: ProducerCtx) -> None:
     """A pdwire/2 pull (fingerprint announced) that carries no fingerprint is served."""
     t.require_cap(Capability.FINGERPRINT)
     loaded = await t.load(announce=True, fingerprint=None)
+    t.expect_loaded(loaded)
+    t.release(loaded)
+
+
+@case("producer/3.6/4", "3.6-R11", caught_by=("misnames-layout",))
+async def fingerprint_names_the_layout(t: ProducerCtx) -> None:
+    """P's fingerprint names how its blocks lie with a name of §3.6.1, and a transfer into
+    blocks that lie as that name says is served (the fake D lays its regions out by the name)."""
+    t.require_cap(Capability.FINGERPRINT)
+    fp = t.env.fingerprint
+    assert fp is not None
+    named = layout_named(fp.kv_layout)
+    if named is None:
+        raise Unsupported(
+            f"P's fingerprint names its layout {fp.kv_layout!r}, a name outside §3.6.1 "
+            f"({', '.join(KV_LAYOUT_NAMES.values())}): the harness cannot lay out such blocks"
+        )
+    expect(
+        named == t.env.geometry.kv_layout,
+        f"P's fingerprint names {fp.kv_layout!r} ({named}), the run was told --kv-layout "
+        f"{t.env.geometry.kv_layout}",
+    )
+    loaded = await t.load(announce=True)
     t.expect_loaded(loaded)
     t.release(loaded)
 

@@ -6,17 +6,20 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Final
 
-from ..messages import Fingerprint
+from ..messages import KV_LAYOUT_NAMES, Fingerprint
 from ..planning import Region, Side, window_blocks
 
 #: Where the simulated address spaces start; each worker region gets its own span.
 _BASE: Final = 0x7F00_0000_0000
 #: The values of ``--kv-layout`` (``Geometry.kv_layout``), and what each means.
-KV_LAYOUTS: Final = ("apart", "together")
+KV_LAYOUTS: Final = tuple(KV_LAYOUT_NAMES)
 KV_LAYOUT_HELP: Final = (
     "how a layer's KV blocks lie in memory: 'apart' (the default), K and V each a region of its "
     "own, as vLLM's FlashAttention backend lays them out; 'together', one region per layer whose "
-    "blocks hold each head's tokens, a token's K then its V, as vLLM's CPU attention backend does"
+    "blocks hold each head's tokens, a token's K then its V, as vLLM's CPU attention backend "
+    "does; 'mla', one region per layer whose blocks hold each token's latent vector, the same on "
+    "every TP rank, as vLLM's MLA backends do (give --kv-heads 1 and the latent size as "
+    "--head-dim)"
 )
 
 
@@ -41,10 +44,13 @@ class Geometry:
     #: packed rows registered whole, one region a worker named after its first layer (an opaque
     #: packed row, 3.2-R10), shared by both KV-cache groups when there are two (10.6.7)
     opaque_rows: bool = False
-    #: each layer one region whose blocks hold K and V together, head-major, a token's K then
-    #: its V ([blocks, heads, tokens, K and V], vLLM's CPU attention backend); else K and V
-    #: are regions of their own ([K/V, blocks, heads, tokens, channels], FlashAttention's)
-    kv_together: bool = False
+    #: how a layer's blocks lie (``KV_LAYOUTS``): "apart", K and V regions of their own
+    #: ([K/V, blocks, heads, tokens, channels], FlashAttention's); "together", one region whose
+    #: blocks hold K and V, head-major, a token's K then its V ([blocks, heads, tokens, K and
+    #: V], vLLM's CPU attention backend); "mla", one region whose blocks hold each token's
+    #: latent vector of ``head_dim`` elements ([blocks, tokens, latent]), one KV "head" that
+    #: every TP rank holds whole
+    kv_layout: str = "apart"
 
     def __post_init__(self) -> None:
         kernel = self.kernel_block_size
@@ -65,8 +71,22 @@ class Geometry:
             )
         if self.packs_rows and kernel is not None:
             raise ValueError("packed rows take no kernel block size: a row is a whole block")
-        if self.packs_rows and self.kv_together:
-            raise ValueError("packed rows lay K and V out themselves: not with kv_together")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.packs_rows and self.kv_layout != "apart":
+            raise ValueError(f"packed rows lay K and V out themselves: not {self.kv_layout!r}")
+        if self.mla and self.num_kv_heads != 1:
+            raise ValueError(
+                f"an MLA cache has one latent vector per token: 1 KV head, got {self.num_kv_heads}"
+            )
+
+    @property
+    def kv_together(self) -> bool:
+        return self.kv_layout == "together"
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_layout == "mla"
 
     @property
     def num_groups(self) -> int:
@@ -110,7 +130,8 @@ class Geometry:
         return self.block_size // (self.kernel_block_size or self.block_size)
 
     def fingerprint(self, model: str) -> Fingerprint:
-        """The compatibility fingerprint (§3.6) of ``model`` in this geometry, bf16 in LBHNC."""
+        """The compatibility fingerprint (§3.6) of ``model`` in this geometry, bf16, its layout
+        named as §3.6.1 registers it."""
         return Fingerprint(
             model=model,
             dtype="bfloat16",
@@ -118,7 +139,7 @@ class Geometry:
             num_kv_heads=self.num_kv_heads,
             head_size=self.head_dim,
             block_size=self.block_size,
-            kv_layout="LBHNC",
+            kv_layout=KV_LAYOUT_NAMES[self.kv_layout],
         )
 
     def block_bytes(self, tp_size: int) -> int:
@@ -131,17 +152,12 @@ class Geometry:
         per = -(-self.num_layers // pp_size)
         return range(pp_rank * per, min(self.num_layers, (pp_rank + 1) * per))
 
-    @property
-    def kv_layout(self) -> str:
-        """The name of the layout of a layer's blocks (``--kv-layout``)."""
-        return "together" if self.kv_together else "apart"
-
     def side(self, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int, worker: int) -> Side:
         """The regions of one worker: K and V of each layer of its PP stage, each a tensor of
-        its own, or with ``kv_together`` one region per layer, or with ``packed_rows`` a slice
-        of the worker's rows."""
-        parts = 1 if self.kv_together else 2  # regions per layer
-        length = self.block_bytes(tp_size) * (2 // parts)
+        its own, or one region per layer (``kv_layout`` "together" or "mla"), or with
+        ``packed_rows`` a slice of the worker's rows."""
+        parts = 2 if self.kv_layout == "apart" else 1  # regions per layer
+        length = self.block_bytes(tp_size) * (2 if self.kv_together else 1)
         span = length * self.num_blocks * self.kernel_blocks
         base = _BASE + worker * (parts * self.num_layers + 1) * span
         layers = self.stage_layers(pp_size, pp_rank)

@@ -3,6 +3,7 @@ session."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import msgspec
@@ -20,7 +21,7 @@ from pdwire.events import (
     TransferWillNotSend,
     WriteCompleted,
 )
-from pdwire.messages import ErrorCode, XferCancel, XferMetadataV2, XferResponseV2
+from pdwire.messages import ErrorCode, Fingerprint, XferCancel, XferMetadataV2, XferResponseV2
 from pdwire.messages import XferResponseStatus as Status
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 from pdwire.planning import PlanError, descriptors
@@ -28,6 +29,7 @@ from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.transitions import TERMINAL
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, Capability
 
+from ..node_worker import WorkerSpec
 from . import mutant, replace
 
 # -- negotiation (§8) -----------------------------------------------------------------------
@@ -119,6 +121,25 @@ def _requires_fingerprint() -> None:
         return original(self, msg, agreement)
 
     replace(ProducerSession, "_check_pull", check)
+
+
+@mutant(
+    "misnames-layout",
+    "prefill",
+    "names another registered layout than its own in its fingerprint (3.6-R11)",
+    at_start=True,
+)
+def _misnames_layout() -> None:
+    original = WorkerSpec.fingerprint
+
+    def fingerprint(self: WorkerSpec) -> Fingerprint | None:
+        fp = original(self)
+        if fp is None:
+            return None
+        other = "LBHN2C" if fp.kv_layout == "LBHNC" else "LBHNC"
+        return dataclasses.replace(fp, kv_layout=other)
+
+    replace(WorkerSpec, "fingerprint", fingerprint)
 
 
 @mutant("no-pp-size-check", "prefill", "never checks for a missing remote_pp_size (10.11.11)")

@@ -15,7 +15,7 @@ The keys of ``kv_connector_extra_config`` are listed in ``reference_connector.vl
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -27,7 +27,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import Settings
 from .metadata import PdwireConnectorMetadata
-from .position import KV_LAYOUT
 from .scheduler import PdwireScheduler
 
 if TYPE_CHECKING:
@@ -55,6 +54,11 @@ def _log_with_vllm() -> None:
     ours.setLevel(vllm_logger.getEffectiveLevel())
 
 
+#: The KV-cache layout the connector asks vLLM for, as MooncakeConnector does: vLLM's name of
+#: a head-major block (both "apart" and "together" of §3.6.1 are this layout to vLLM).
+REQUIRED_LAYOUT: Final = "LBHNC"
+
+
 class PdwireConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
@@ -78,7 +82,7 @@ class PdwireConnector(KVConnectorBase_V1):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         model = vllm_config.model_config
-        return None if model is None or model.use_mla else KV_LAYOUT
+        return None if model is None or model.use_mla else REQUIRED_LAYOUT
 
     # -- scheduler ------------------------------------------------------------------------
 

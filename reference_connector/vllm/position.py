@@ -5,10 +5,10 @@ fingerprint it announces under pdwire/2."""
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
 from pdwire.http_models import url_of
-from pdwire.messages import Fingerprint
+from pdwire.messages import KV_LAYOUT_NAMES, Fingerprint
 
 from ..dp_placement import DataParallel
 from .config import Settings
@@ -16,9 +16,6 @@ from .config import Settings
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-#: vLLM's layout name of the CPU backend's caches and of the layout MooncakeConnector asks for.
-KV_LAYOUT: Final = "LBHNC"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +81,10 @@ def bootstrap_url(vllm_config: VllmConfig, settings: Settings) -> str:
     return url_of(host, settings.bootstrap_port)
 
 
-def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fingerprint:
+def fingerprint(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, kv_layout: str
+) -> Fingerprint:
+    """The fingerprint of this engine's KV cache, whose blocks lie as ``kv_layout`` says."""
     model = vllm_config.model_config
     spec = kv_cache_config.transfer_groups[0].kv_cache_spec
     return Fingerprint(
@@ -94,5 +94,5 @@ def fingerprint(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Fing
         num_kv_heads=model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
-        kv_layout=KV_LAYOUT,
+        kv_layout=KV_LAYOUT_NAMES[kv_layout],
     )

@@ -41,6 +41,14 @@ class Registration:
     storages: tuple[torch.Tensor, ...]  # one flat byte view per distinct allocation
     regions: tuple[Region, ...]
 
+    def kv_layout(self, use_mla: bool) -> str:
+        """How a layer's blocks lie (``--kv-layout``, §3.6.1): an MLA model's latent region,
+        one region per layer holding K and V (a dense block), or a region per part."""
+        if use_mla:
+            return "mla"
+        names = [r.layer_name for r in self.regions]
+        return "together" if len(names) == len(set(names)) else "apart"
+
 
 def _layer_index(layer_name: str) -> int:
     from vllm.model_executor.models.utils import extract_layer_index

@@ -94,8 +94,11 @@ class PdwireWorker:
             replicated=model.use_mla or pos.tp_size > heads,
             total_kv_heads=heads,
         )
+        layout = found.kv_layout(model.use_mla)
         fp = (
-            fingerprint(self._vllm_config, self._kv_cache_config) if s.profile == PDWIRE_2 else None
+            fingerprint(self._vllm_config, self._kv_cache_config, layout)
+            if s.profile == PDWIRE_2
+            else None
         )
         if self.consumes:
             config = ConsumerAgent.config_for(

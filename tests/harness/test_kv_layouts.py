@@ -1,7 +1,8 @@
-"""``--kv-layout``: a layer's K and V as regions of their own (FlashAttention's layout) or as one
-region whose blocks hold both (vLLM's CPU backend). The fake D takes the layout it is told; the
-reference node lays its pool out either way; a pair whose layouts differ cannot transfer
-(9.1-R2), one whose layouts agree moves the prompt's KV byte for byte."""
+"""``--kv-layout``: a layer's K and V as regions of their own (FlashAttention's layout), as one
+region whose blocks hold both (vLLM's CPU backend), or an MLA model's one latent region per layer.
+The fake D takes the layout it is told, or the one P's fingerprint names (§3.6.1); the reference
+node lays its pool out each way; a pair whose layouts differ cannot transfer (9.1-R2), one whose
+layouts agree moves the prompt's KV byte for byte."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Final
 import pytest
 
 from conformance import cli, testees
+from pdwire.messages import layout_named
 from pdwire.sim.geometry import Geometry
 from tests import suite_report
 
@@ -26,7 +28,7 @@ TRANSFER: Final = "producer/3.4/1"
 def test_together_is_one_region_per_layer_of_both_halves() -> None:
     apart = Geometry(num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, num_blocks=16)
     together = Geometry(
-        num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, num_blocks=16, kv_together=True
+        num_layers=3, num_kv_heads=4, head_dim=8, block_size=4, num_blocks=16, kv_layout="together"
     )
     a, t = apart.side(2, 1, 1, 0, 0).regions, together.side(2, 1, 1, 0, 0).regions
     assert len(a) == 6 and len(t) == 3
@@ -37,7 +39,32 @@ def test_together_is_one_region_per_layer_of_both_halves() -> None:
     starts = [r.base_addr for r in t]
     assert all(b - a_ == 16 * t[0].block_len for a_, b in itertools.pairwise(starts))
     with pytest.raises(ValueError, match="packed rows"):
-        Geometry(packed_rows=True, kv_together=True)
+        Geometry(packed_rows=True, kv_layout="together")
+
+
+def test_mla_is_one_latent_region_per_layer_that_every_tp_rank_holds_whole() -> None:
+    mla = Geometry(num_layers=3, num_kv_heads=1, head_dim=24, block_size=4, kv_layout="mla")
+    for tp in (1, 2, 4):
+        side = mla.side(tp, tp - 1, 1, 0, 0)
+        assert [r.layer_index for r in side.regions] == [0, 1, 2]
+        assert {r.kv_block_len for r in side.regions} == {24 * 4 * 2}
+        assert side.replicated == (tp > 1)
+    with pytest.raises(ValueError, match="1 KV head"):
+        Geometry(num_kv_heads=2, kv_layout="mla")
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        Geometry(kv_layout="sideways")
+
+
+def test_the_fingerprint_names_each_layout_as_the_spec_registers_it() -> None:
+    names = {
+        layout: Geometry(num_kv_heads=1, kv_layout=layout).fingerprint("m").kv_layout
+        for layout in ("apart", "together", "mla")
+    }
+    assert names == {"apart": "LBHNC", "together": "LBHN2C", "mla": "LBNC"}
+    assert {layout_named(name) for name in names.values()} == set(names)
+    assert layout_named("NHD") is None
+    # packed rows place regions in rows; what a region's block holds is still LBHNC
+    assert Geometry(packed_rows=True).fingerprint("m").kv_layout == "LBHNC"
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +153,59 @@ def test_preflight_names_a_layout_mismatch_before_any_traffic(
     else:
         assert (code, layout["status"]) == (1, "PROBLEM"), layout
         assert "'together', D's 'apart'" in layout["detail"]
+
+
+def test_a_pdwire2_p_names_its_layout_and_the_suite_takes_it(tmp_path: Path) -> None:
+    """Given no --kv-layout, the producer suite lays the fake D out as P's fingerprint names
+    it; producer/3.6/4 checks that name."""
+    p = testees.start_node("prefill", extra=["--kv-layout", "together"])
+    try:
+        _, doc = suite_report.run(
+            tmp_path, "named",
+            ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *testees.GEOMETRY,
+             "--timeout", "3", "--cases", f"{TRANSFER},producer/3.6/4"],
+        )  # fmt: skip
+    finally:
+        p.stop()
+    verdicts = suite_report.verdicts(doc)
+    assert verdicts == {TRANSFER: "pass", "producer/3.6/4": "pass"}, doc["cases"]
+
+
+#: An MLA model's geometry: one latent "head" of 32 elements; and as node flags, with its layout.
+MLA_GEOMETRY: Final = ("--layers", "4", "--kv-heads", "1", "--head-dim", "32", "--block-size", "4")
+MLA: Final = (*MLA_GEOMETRY, "--kv-layout", "mla")
+
+
+@pytest.mark.parametrize("profile", ["legacy", "pdwire/2"])
+def test_an_mla_p_serves_the_fake_d_of_its_layout(profile: str, tmp_path: Path) -> None:
+    """A legacy P is told --kv-layout mla; a pdwire/2 P names it in its fingerprint."""
+    p = testees.start_node("prefill", tp=2, profile=profile, extra=MLA)
+    told = ("--kv-layout", "mla") if profile == "legacy" else ()
+    try:
+        _, doc = suite_report.run(
+            tmp_path, "mla",
+            ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *MLA_GEOMETRY, *told,
+             "--timeout", "3", "--cases", TRANSFER],
+        )  # fmt: skip
+    finally:
+        p.stop()
+    case = suite_report.only(doc)
+    assert case["verdict"] == "pass", case["detail"]
+
+
+def test_an_mla_pair_moves_the_latent_from_tp2_to_tp1(tmp_path: Path) -> None:
+    """P of TP 2 holds the whole latent on each rank; D of TP 1 loads it from one of them and
+    checks every byte."""
+    p = testees.start_node("prefill", tp=2, extra=MLA)
+    d = testees.start_node("decode", extra=MLA)
+    try:
+        _, doc = suite_report.run(
+            tmp_path, "pair",
+            ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url,
+             "--cases", "pair/5.2/1"],
+        )  # fmt: skip
+        case = suite_report.only(doc)
+    finally:
+        p.stop()
+        d.stop()
+    assert case["verdict"] == "pass", case["detail"]

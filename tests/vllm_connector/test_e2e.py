@@ -330,6 +330,13 @@ def _in_tree_suite(
     return {c["id"]: c["verdict"] for c in doc["cases"]}
 
 
+def test_pdwire_connector_names_the_cpu_backends_layout(servers: dict[str, sv.Server]) -> None:
+    """PdwireConnector finds one region per layer in the caches of vLLM's CPU attention backend
+    and names that layout in its pdwire/2 fingerprint (§3.6.1), where vLLM calls it LBHNC."""
+    entries = httpx.get(f"{servers['p_pdwire2'].bootstrap}/query", timeout=10.0).json()
+    assert {e["fingerprint"]["kv_layout"] for e in entries.values()} == {"LBHN2C"}, entries
+
+
 def test_the_pair_suite_between_vllms_own_p_and_d(
     servers: dict[str, sv.Server], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
