@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -92,40 +92,44 @@ def test_the_fake_d_takes_the_layout_it_is_told(p_together: testees.Testee, tmp_
     assert "ERROR" in wrong["detail"], wrong["detail"]
 
 
+def _pair_case(tmp_path: Path, p: testees.Testee, d: testees.Testee) -> dict[str, Any]:
+    """pair/5.2/1 between ``p`` and ``d``: D's text equals its local one, and D checks every
+    byte it loaded against the prompt's KV (the node's --verify-kv default)."""
+    _, doc = suite_report.run(
+        tmp_path, "pair",
+        ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url, "--cases", "pair/5.2/1"],
+    )  # fmt: skip
+    return suite_report.only(doc)
+
+
+def _new_pair_case(tmp_path: Path, tp: int, profile: str, layout: Sequence[str]) -> dict[str, Any]:
+    """``_pair_case`` between a new P of ``tp`` and a new D of TP 1, both started with
+    ``layout``."""
+    p = testees.start_node("prefill", tp=tp, profile=profile, extra=layout)
+    d = testees.start_node("decode", profile=profile, extra=layout)
+    try:
+        return _pair_case(tmp_path, p, d)
+    finally:
+        p.stop()
+        d.stop()
+
+
 @pytest.mark.parametrize("d_layout", ["together", "apart"])
 def test_a_pair_transfers_only_between_equal_layouts(
     p_together: testees.Testee, tmp_path: Path, d_layout: str
 ) -> None:
     d = testees.start_node("decode", profile="legacy", extra=["--kv-layout", d_layout])
     try:
-        _, doc = suite_report.run(
-            tmp_path, "pair",
-            ["pair", "--prefill", f"{p_together.url}@{p_together.bootstrap}", "--decode", d.url,
-             "--cases", "pair/5.2/1"],
-        )  # fmt: skip
-        case = suite_report.only(doc)
+        case = _pair_case(tmp_path, p_together, d)
     finally:
         d.stop()
-    # D checks every byte it loaded against the prompt's KV (the node's --verify-kv default)
     assert case["verdict"] == ("pass" if d_layout == "together" else "fail"), case["detail"]
 
 
 def test_heads_split_over_tp_within_blocks_that_hold_k_and_v(tmp_path: Path) -> None:
     """P of TP 2 writes each half of the heads into D's blocks of TP 1, K and V together: the
     TP rules of §10.8 hold for that layout as they are (D checks every byte it loaded)."""
-    layout = ("--kv-layout", "together")
-    p = testees.start_node("prefill", tp=2, profile="legacy", extra=layout)
-    d = testees.start_node("decode", profile="legacy", extra=layout)
-    try:
-        _, doc = suite_report.run(
-            tmp_path, "pair",
-            ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url,
-             "--cases", "pair/5.2/1"],
-        )  # fmt: skip
-        case = suite_report.only(doc)
-    finally:
-        p.stop()
-        d.stop()
+    case = _new_pair_case(tmp_path, 2, "legacy", ("--kv-layout", "together"))
     assert case["verdict"] == "pass", case["detail"]
 
 
@@ -196,16 +200,5 @@ def test_an_mla_p_serves_the_fake_d_of_its_layout(profile: str, tmp_path: Path) 
 def test_an_mla_pair_moves_the_latent_from_tp2_to_tp1(tmp_path: Path) -> None:
     """P of TP 2 holds the whole latent on each rank; D of TP 1 loads it from one of them and
     checks every byte."""
-    p = testees.start_node("prefill", tp=2, extra=MLA)
-    d = testees.start_node("decode", extra=MLA)
-    try:
-        _, doc = suite_report.run(
-            tmp_path, "pair",
-            ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url,
-             "--cases", "pair/5.2/1"],
-        )  # fmt: skip
-        case = suite_report.only(doc)
-    finally:
-        p.stop()
-        d.stop()
+    case = _new_pair_case(tmp_path, 2, "pdwire/2", MLA)
     assert case["verdict"] == "pass", case["detail"]
