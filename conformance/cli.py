@@ -225,12 +225,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "of each request, relays and checks every side-channel message between them, and "
         "checks that the disaggregated text equals D's own local-prefill text.",
     )
-    pair.add_argument(
-        "--prefill",
-        required=True,
-        metavar="URL[@BOOTSTRAP]",
-        help="P's API, and its bootstrap server (default port 8998 on P's host)",
-    )
+    from .preflight import add_prefill_argument
+
+    add_prefill_argument(pair)
     pair.add_argument("--decode", required=True, metavar="URL", help="D's API")
     pair.add_argument("--model", help="the model name to send (default: from /v1/models)")
     _common(pair)
@@ -602,25 +599,10 @@ def cmd_consumer(args: argparse.Namespace) -> int:
     )
 
 
-def parse_prefill(text: str) -> tuple[str, str]:
-    """``URL[@BOOTSTRAP]`` -> (P's API, its bootstrap server); the bootstrap server defaults to
-    port 8998 on P's host (5.4-R16)."""
-    from urllib.parse import urlsplit
-
-    url, _, bootstrap = text.partition("@")
-    url = url.rstrip("/")
-    if not bootstrap:
-        host = urlsplit(url).hostname or "127.0.0.1"
-        bootstrap = f"http://{host}:8998"
-    elif "://" not in bootstrap:
-        bootstrap = f"http://{bootstrap}"
-    return url, bootstrap.rstrip("/")
-
-
 def cmd_pair(args: argparse.Namespace) -> int:
     from .suites.pair_env import PairOptions, run_pair
 
-    prefill, bootstrap = parse_prefill(args.prefill)
+    prefill, bootstrap = args.prefill
     options = PairOptions(
         prefill=prefill,
         prefill_bootstrap=bootstrap,

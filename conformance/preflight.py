@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdwire.errors import DecodeError
-from pdwire.http_models import EngineEntry, QueryResponse, decode_json
+from pdwire.http_models import EngineEntry, QueryResponse, decode_json, parse_prefill
 from pdwire.messages import Fingerprint, layout_named
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
@@ -449,6 +449,25 @@ class Preflight:
             self.add("TP/PP pairing", OK, f"P TP {p_tp} x PP {p_pp}, D TP {d_tp}{pp} ({source})")
 
 
+def _prefill(text: str) -> tuple[str, str]:
+    try:
+        return parse_prefill(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_prefill_argument(p: argparse.ArgumentParser) -> None:
+    """``--prefill URL[@BOOTSTRAP]``, whose value is (P's API, its bootstrap server)."""
+    p.add_argument(
+        "--prefill",
+        required=True,
+        type=_prefill,
+        metavar="URL[@BOOTSTRAP]",
+        help="P's API, and its bootstrap server: a URL, HOST:PORT, a port on P's host, or none "
+        "(port 8998 on P's host, the default)",
+    )
+
+
 def add_preflight_parser(sub: Any) -> argparse.ArgumentParser:
     """Add ``preflight`` to ``pdwire conformance``'s subcommands."""
     p: argparse.ArgumentParser = sub.add_parser(
@@ -458,12 +477,7 @@ def add_preflight_parser(sub: Any) -> argparse.ArgumentParser:
         "models, and a pdwire node's /pdwire/stats) and name every problem that would block the "
         "pair, each with its fix. Exit status 0 when nothing blocks.",
     )
-    p.add_argument(
-        "--prefill",
-        required=True,
-        metavar="URL[@BOOTSTRAP]",
-        help="P's API, and its bootstrap server (default port 8998 on P's host)",
-    )
+    add_prefill_argument(p)
     p.add_argument("--decode", required=True, metavar="URL", help="D's API")
     p.add_argument(
         "--decode-tp", type=int, metavar="N", help="D's TP size, when D does not show it"
@@ -479,9 +493,7 @@ def add_preflight_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from .cli import parse_prefill
-
-    prefill, bootstrap = parse_prefill(args.prefill)
+    prefill, bootstrap = args.prefill
     check = Preflight(
         prefill,
         bootstrap,

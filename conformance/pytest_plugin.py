@@ -317,7 +317,8 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
             )
         )
         return renv, lambda log: RegistrationCtx(renv.options, log)
-    from .cli import parse_prefill
+    from pdwire.http_models import parse_prefill
+
     from .suites.pair_env import PairCtx, PairEnv, PairOptions
 
     prefill, _, decode = target.partition(",")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Any, Final, Literal, TypeVar
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, RootModel, ValidationError
 
@@ -39,6 +40,42 @@ def split_host_port(address: str) -> tuple[str, int]:
 def url_of(host: str, port: int) -> str:
     """The base URL of the bootstrap server at ``host``:``port``."""
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def bootstrap_url(prefill_url: str, port: int | None = None) -> str:
+    """``http://<host of prefill_url>:<port or 8998>`` (5.4-R16)."""
+    host = urlsplit(prefill_url).hostname
+    if not host:
+        raise ValueError(f"not an http URL with a host: {prefill_url!r}")
+    if not 0 <= (port or 0) < 65536:
+        raise ValueError(f"bootstrap port out of range: {port}")
+    return url_of(host, port or DEFAULT_BOOTSTRAP_PORT)
+
+
+#: The BOOTSTRAP part of ``URL@BOOTSTRAP`` given as a host and port, without a scheme.
+_HOST_PORT: Final = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[^/@:\[\]]+):\d+$")
+
+
+def parse_prefill(spec: str) -> tuple[str, str]:
+    """``URL[@BOOTSTRAP]`` -> (P's API URL, its bootstrap server's URL). BOOTSTRAP is a URL, a
+    ``HOST:PORT``, a port on URL's host, or ``none``; without it, port 8998 of URL's host
+    (5.4-R16). The last ``@`` separates them; a URL with user info names its BOOTSTRAP."""
+    url, sep, rest = spec.rpartition("@")
+    bootstrap = ""
+    if not sep or not (
+        rest.isdigit() or rest.lower() == "none" or "://" in rest or _HOST_PORT.match(rest)
+    ):
+        url = spec  # no bootstrap part
+    elif rest.isdigit():
+        bootstrap = bootstrap_url(url, int(rest))
+    elif "://" in rest:
+        bootstrap = rest
+    elif rest.lower() != "none":
+        bootstrap = f"http://{rest}"
+    url = url.rstrip("/")
+    if urlsplit(url).scheme not in ("http", "https"):
+        raise ValueError(f"P's URL must be http(s)://host:port, got {url!r}")
+    return url, bootstrap.rstrip("/") or bootstrap_url(url)
 
 
 class _Model(BaseModel):

@@ -28,7 +28,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT, DecodeParams, PrefillParams, QueryResponse
+from pdwire import http_models
+from pdwire.http_models import DecodeParams, PrefillParams, QueryResponse, bootstrap_url
 from pdwire.versions import LEGACY, WIRE_VERSION, check_profile
 
 from . import bootstrap_client
@@ -49,18 +50,6 @@ COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
 T = TypeVar("T")
 
 
-def bootstrap_url(prefill_url: str, port: int | None = None) -> str:
-    """``http://<host of prefill_url>:<port or 8998>`` (5.4-R16)."""
-    host = urlsplit(prefill_url).hostname
-    if not host:
-        raise ValueError(f"not an http URL with a host: {prefill_url!r}")
-    if not 0 <= (port or 0) < 65536:
-        raise ValueError(f"bootstrap port out of range: {port}")
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port or DEFAULT_BOOTSTRAP_PORT}"
-
-
 @dataclass(frozen=True)
 class Prefill:
     """A P engine: its OpenAI server and its bootstrap server (default ``http://<host>:8998``)."""
@@ -77,13 +66,8 @@ class Prefill:
 
 
 def parse_prefill(spec: str) -> Prefill:
-    """``URL[@BOOTSTRAP]``: BOOTSTRAP is a URL, a port on URL's host, or ``none`` (port 8998)."""
-    url, sep, rest = spec.rpartition("@")
-    if not sep or not (rest.isdigit() or rest.lower() == "none" or "://" in rest):
-        return Prefill(spec)  # no bootstrap part ("@" of a URL's user info, if any)
-    if rest.isdigit():
-        return Prefill(url, bootstrap_url(url, int(rest)))
-    return Prefill(url, "" if rest.lower() == "none" else rest)
+    """``URL[@BOOTSTRAP]`` (``pdwire.http_models.parse_prefill``)."""
+    return Prefill(*http_models.parse_prefill(spec))
 
 
 @dataclass(frozen=True)

@@ -324,3 +324,13 @@ def test_two_answers_are_one_computations_within_the_logprob_tolerance() -> None
     assert not same_output(local, ("", [0, 6], [-1.0, -2.0]))
     assert same_output(("a", None, None), ("a", None, None))
     assert not same_output(("a", None, None), ("b", None, None))
+
+
+@pytest.mark.parametrize("suite", ["pair", "preflight"])
+def test_a_prefill_that_is_no_url_is_a_usage_error(
+    suite: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([suite, "--prefill", "p:8100", "--decode", "http://127.0.0.1:9"])
+    assert exit_info.value.code == 2
+    assert "argument --prefill: P's URL must be http(s)://host:port" in capsys.readouterr().err

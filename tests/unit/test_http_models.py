@@ -20,7 +20,7 @@ from pdwire import (
     RegisterReply,
     RegisterWorkerPayload,
 )
-from pdwire.http_models import RegisterError
+from pdwire.http_models import RegisterError, parse_prefill
 
 FINGERPRINT = Fingerprint(
     model="Qwen/Qwen3-8B",
@@ -243,3 +243,31 @@ def test_addr_rule_rejects(addr: str) -> None:
 def test_addr_rule_rejects_a_trailing_newline() -> None:
     with pytest.raises(DecodeError):
         pdwire.decode_json(RegisterWorkerPayload, _register("tcp://x:1\n"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "api", "bootstrap"),
+    [
+        ("http://p:8100", "http://p:8100", "http://p:8998"),
+        ("http://p:8100/", "http://p:8100", "http://p:8998"),
+        ("http://p:8100@9000", "http://p:8100", "http://p:9000"),
+        ("http://p:8100@none", "http://p:8100", "http://p:8998"),
+        ("http://p:8100@b:7000", "http://p:8100", "http://b:7000"),
+        ("http://p:8100@[::1]:7000", "http://p:8100", "http://[::1]:7000"),
+        ("http://p:8100@https://b:7000/", "http://p:8100", "https://b:7000"),
+        ("http://[::1]:8100", "http://[::1]:8100", "http://[::1]:8998"),
+        # a URL with user info names its BOOTSTRAP: the last "@" separates them
+        ("http://u@p:8100@none", "http://u@p:8100", "http://p:8998"),
+    ],
+)
+def test_one_parser_reads_every_form_of_url_at_bootstrap(
+    spec: str, api: str, bootstrap: str
+) -> None:
+    """The proxy, the conformance suites and preflight read ``URL[@BOOTSTRAP]`` alike (5.4-R16)."""
+    assert parse_prefill(spec) == (api, bootstrap)
+
+
+@pytest.mark.parametrize("spec", ["p:8100", "ftp://p:8100", "http://p:8100@70000"])
+def test_a_prefill_that_is_no_http_url_is_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"http|range"):
+        parse_prefill(spec)
