@@ -1,10 +1,11 @@
 """``PdwireConnector``: pdwire as a vLLM V1 KV connector, wire-compatible with vLLM's own
 MooncakeConnector (profile ``legacy``) and speaking pdwire/2 with peers that announce it.
 
-Load it by module path, as P, D or both::
+Name it, as P, D or both (pdwire's vLLM plugin, ``plugin.register``, adds the name to vLLM's
+connector factory; ``"kv_connector_module_path": "reference_connector.vllm.connector"`` loads it
+without the plugin)::
 
     --kv-transfer-config '{"kv_connector": "PdwireConnector",
-        "kv_connector_module_path": "reference_connector.vllm.connector",
         "kv_role": "kv_producer", "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}'
 
 The scheduler half (``scheduler.PdwireScheduler``) decides which requests load or send; the

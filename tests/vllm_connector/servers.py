@@ -22,10 +22,9 @@ from conformance.testees import PORT_TAKEN
 SITE: Final = Path(__file__).parent / "site"
 START_TIMEOUT_S: Final = 480.0
 STOP_TIMEOUT_S: Final = 20.0
-CONNECTOR: Final = {
-    "kv_connector": "PdwireConnector",
-    "kv_connector_module_path": "reference_connector.vllm.connector",
-}
+#: By name alone, as an installed connector is named: pdwire's vLLM plugin registers it
+#: (``reference_connector.vllm.plugin``); the offline tests load it by module path.
+CONNECTOR: Final = {"kv_connector": "PdwireConnector"}
 IN_TREE: Final = {"kv_connector": "MooncakeConnector"}
 
 
