@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import Counter
 from typing import Any
 
@@ -37,7 +36,6 @@ class Report:
     rejected_requests: int
     faults: dict[str, int]
     virtual_seconds: float
-    wall_seconds: float
     params: dict[str, Any]
 
     def as_dict(self) -> dict[str, Any]:
@@ -53,11 +51,9 @@ def _quantile(values: list[float], q: float) -> float:
 
 def simulate(params: SimParams, progress: Any = None) -> Report:
     """Run the cluster to quiescence (every timer fired) and measure."""
-    started = time.perf_counter()
     cluster = Cluster(params)
     cluster.progress = progress
     cluster.run()
-    wall = time.perf_counter() - started
     reqs = cluster.requests
     durations = [r.terminal - r.arrival for r in reqs if r.terminal is not None]
     late = sum(
@@ -89,6 +85,5 @@ def simulate(params: SimParams, progress: Any = None) -> Report:
         rejected_requests=c.rejected,
         faults=dict(Counter(r.fault for r in reqs if r.fault)),
         virtual_seconds=cluster.now,
-        wall_seconds=wall,
         params={k: v for k, v in dataclasses.asdict(params).items() if k != "geometry"},
     )
