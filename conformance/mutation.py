@@ -17,6 +17,8 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from pdwire.roles import Role
+
 from . import testees
 from .case import Case, Suite, Verdict
 from .runner import RunOptions
@@ -64,7 +66,7 @@ async def _on_own_node(
 
 
 async def _switched(
-    bed: Testbed, name: str, role: testees.Role, cases: Sequence[Case], timeout: float
+    bed: Testbed, name: str, role: Role, cases: Sequence[Case], timeout: float
 ) -> dict[str, str]:
     node = bed.nodes[role]
     await asyncio.to_thread(node.set_mutant, name)

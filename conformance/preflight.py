@@ -337,7 +337,7 @@ class Preflight:
             self.add("versions", UNKNOWN, f"P speaks {p_text}; D shows no version: {then}")
             return
         d_caps = frozenset(stats.get("pdwire_caps") or ()) if d_version >= 2 else frozenset()
-        agreed = negotiate("D", Offer(d_version, d_caps), p_offer)
+        agreed = negotiate("decode", Offer(d_version, d_caps), p_offer)
         caps = sorted(agreed.caps & p_caps)
         detail = f"P speaks {p_text}, D version {d_version}: pulls go {agreed.profile}"
         self.add("versions", OK, detail + (f", capabilities in use {caps}" if caps else ""))

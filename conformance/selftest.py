@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from pdwire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from pdwire.roles import Role
 from pdwire.sim.geometry import Geometry
 
 from . import testees
@@ -140,10 +141,10 @@ def by_layout(cases: Sequence[Case]) -> dict[Layout, list[Case]]:
     return dict(sorted(out.items(), key=lambda kv: (kv[0] != DEFAULT, kv[0])))
 
 
-def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
+def roles_for(cases: Sequence[Case]) -> set[Role]:
     """The testees the suites of ``cases`` need."""
     suites = {c.suite for c in cases}
-    roles: set[testees.Role] = set()
+    roles: set[Role] = set()
     if suites & {Suite.PRODUCER, Suite.PAIR}:
         roles.add("prefill")
     if suites & {Suite.CONSUMER, Suite.PAIR}:
@@ -152,7 +153,7 @@ def roles_for(cases: Sequence[Case]) -> set[testees.Role]:
 
 
 def start(
-    role: testees.Role,
+    role: Role,
     layout: Layout = DEFAULT,
     mutant: str = "",
     mutant_control: bool = False,
@@ -201,8 +202,8 @@ class Testbed:
     """The reference testees of one layout, by role."""
 
     layout: Layout = DEFAULT
-    nodes: dict[testees.Role, testees.Testee] = dataclasses.field(default_factory=dict)
-    roles: set[testees.Role] = dataclasses.field(default_factory=set)  # those it was started with
+    nodes: dict[Role, testees.Testee] = dataclasses.field(default_factory=dict)
+    roles: set[Role] = dataclasses.field(default_factory=set)  # those it was started with
     key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
     mutant_control: bool = False
     mutant: str = ""  # a defect for the testees of ``mutant_role``, also those the cases start
@@ -214,7 +215,7 @@ class Testbed:
 
     async def start(
         self,
-        roles: set[testees.Role],
+        roles: set[Role],
         mutant: str = "",
         role: str = "",
         mutant_control: bool = False,
@@ -255,7 +256,7 @@ class Testbed:
         P or D that a case starts from a reference command."""
         return self.mutant if role == self.mutant_role else ""
 
-    async def restart(self, role: testees.Role) -> None:
+    async def restart(self, role: Role) -> None:
         node = self.nodes.pop(role, None)
         if node is not None:
             await asyncio.to_thread(node.stop)
@@ -344,9 +345,7 @@ async def run_suites(
 
 
 @contextlib.asynccontextmanager
-async def testbed(
-    roles: set[testees.Role], layout: Layout = DEFAULT, **kw: Any
-) -> AsyncIterator[Testbed]:
+async def testbed(roles: set[Role], layout: Layout = DEFAULT, **kw: Any) -> AsyncIterator[Testbed]:
     bed = Testbed(layout)
     try:
         await bed.start(roles, **kw)

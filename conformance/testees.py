@@ -19,9 +19,10 @@ from typing import Any, Final, Literal
 
 import httpx
 
+from pdwire.roles import Role
+
 from .ports import free_port
 
-Role = Literal["prefill", "decode"]
 MutantRole = Literal["prefill", "decode", "proxy"]  # a proxy mutant: ``pdwire proxy --mutant``
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 16, 4

@@ -281,7 +281,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 if entry.pdwire_version
                 else LEGACY_PEER
             )
-        return negotiate("D", self._offer, peer)
+        return negotiate("decode", self._offer, peer)
 
     # -- pulls -------------------------------------------------------------------------------
 
@@ -472,7 +472,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 if pull.cancel or load.req.d_req_id not in pull.reqs:
                     continue
                 agreement = (
-                    negotiate("D", self._offer, self._peers[pull.addr])
+                    negotiate("decode", self._offer, self._peers[pull.addr])
                     if pull.addr in self._peers
                     else pull.agreement
                 )
@@ -623,7 +623,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 reqs={},
                 with_layout=False,
                 announced=False,
-                agreement=negotiate("D", self._offer, LEGACY_PEER),
+                agreement=negotiate("decode", self._offer, LEGACY_PEER),
                 receive_until=now + self._renewal_period,
                 heartbeat=True,
             )

@@ -13,6 +13,7 @@ from typing import Final, Literal
 
 from . import sections
 from .errors import PeerCannotDecode
+from .roles import Role
 from .versions import (
     LEGACY,
     PDWIRE_2,
@@ -23,7 +24,6 @@ from .versions import (
     profile_of_version,
 )
 
-Role = Literal["P", "D"]
 PeerState = Literal["unknown", "legacy", "pdwire/2"]
 
 
@@ -53,22 +53,22 @@ class Rule:
 
 #: (our role, our profile, what we know of the peer) -> how we send. Every combination is here.
 NEGOTIATION_TABLE: Final[dict[tuple[Role, Profile, PeerState], Rule]] = {
-    ("D", LEGACY, "unknown"): Rule(LEGACY, False, "a legacy D never announces"),
-    ("D", LEGACY, "legacy"): Rule(LEGACY, False, "both legacy"),
-    ("D", LEGACY, "pdwire/2"): Rule(LEGACY, False, "a legacy D never announces"),
-    ("D", PDWIRE_2, "unknown"): Rule(
+    ("decode", LEGACY, "unknown"): Rule(LEGACY, False, "a legacy D never announces"),
+    ("decode", LEGACY, "legacy"): Rule(LEGACY, False, "both legacy"),
+    ("decode", LEGACY, "pdwire/2"): Rule(LEGACY, False, "a legacy D never announces"),
+    ("decode", PDWIRE_2, "unknown"): Rule(
         PDWIRE_2, True, "D announces in its pull; a legacy P ignores the extra keys"
     ),
-    ("D", PDWIRE_2, "legacy"): Rule(LEGACY, False, "P is known to be legacy"),
-    ("D", PDWIRE_2, "pdwire/2"): Rule(PDWIRE_2, True, "both pdwire/2"),
-    ("P", LEGACY, "unknown"): Rule(LEGACY, False, "a legacy P never announces"),
-    ("P", LEGACY, "legacy"): Rule(LEGACY, False, "both legacy"),
-    ("P", LEGACY, "pdwire/2"): Rule(LEGACY, False, "a legacy P never announces"),
-    ("P", PDWIRE_2, "unknown"): Rule(
+    ("decode", PDWIRE_2, "legacy"): Rule(LEGACY, False, "P is known to be legacy"),
+    ("decode", PDWIRE_2, "pdwire/2"): Rule(PDWIRE_2, True, "both pdwire/2"),
+    ("prefill", LEGACY, "unknown"): Rule(LEGACY, False, "a legacy P never announces"),
+    ("prefill", LEGACY, "legacy"): Rule(LEGACY, False, "both legacy"),
+    ("prefill", LEGACY, "pdwire/2"): Rule(LEGACY, False, "a legacy P never announces"),
+    ("prefill", PDWIRE_2, "unknown"): Rule(
         LEGACY, False, "P answers with its version only to a D that announced"
     ),
-    ("P", PDWIRE_2, "legacy"): Rule(LEGACY, False, "D did not announce"),
-    ("P", PDWIRE_2, "pdwire/2"): Rule(PDWIRE_2, True, "both pdwire/2"),
+    ("prefill", PDWIRE_2, "legacy"): Rule(LEGACY, False, "D did not announce"),
+    ("prefill", PDWIRE_2, "pdwire/2"): Rule(PDWIRE_2, True, "both pdwire/2"),
 }
 
 

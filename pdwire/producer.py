@@ -352,10 +352,10 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
 
     def _agreement(self, version: int, caps: list[str]) -> Agreement:
         peer = Offer(version, frozenset(caps)) if version >= 2 else LEGACY_PEER
-        return negotiate("P", self._offer, peer)
+        return negotiate("prefill", self._offer, peer)
 
     def _reply(self, identity: bytes, agreement: Agreement | None, reply: Reply) -> None:
-        agreement = agreement or negotiate("P", self._offer, LEGACY_PEER)
+        agreement = agreement or negotiate("prefill", self._offer, LEGACY_PEER)
         if agreement.announce:
             reply.pdwire_version = self._offer.version
             reply.pdwire_caps = sorted(self._offer.caps)

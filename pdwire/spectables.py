@@ -19,6 +19,7 @@ from . import error_strings as error_strings_module
 from .http_models import EngineEntry
 from .messages import ErrorCode, Fingerprint, XferMetadata, XferResponse, XferResponseStatus
 from .negotiation import NEGOTIATION_TABLE
+from .roles import LETTER
 from .schema import HTTP_DOCUMENTS, MSGPACK_MESSAGES
 from .transitions import LOAD_TRANSITIONS, TRANSFER_TRANSITIONS
 
@@ -163,7 +164,9 @@ def negotiation_table() -> str:
     ]
     for (role, profile, peer), rule in NEGOTIATION_TABLE.items():
         announce = "yes" if rule.announce else "no"
-        lines.append(f"| {role} | {profile} | {peer} | {rule.profile} | {announce} | {rule.why} |")
+        lines.append(
+            f"| {LETTER[role]} | {profile} | {peer} | {rule.profile} | {announce} | {rule.why} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -229,10 +229,12 @@ def run(args: argparse.Namespace) -> int:
             own = "own-proxy" if m.role == "proxy" else "own-node" if m.own_node else "switchable"
             print(f"{m.name:<28} {m.role:<8} {own:<10} {m.defect}")
         return 0
+    from pdwire.roles import Role
+
     from .kv_content import KVShape
     from .node import NodeConfig, Policy
     from .node_api import NodeServer
-    from .node_worker import Role, WorkerError
+    from .node_worker import WorkerError
 
     if args.role is None:
         print("pdwire node: --role is required", file=sys.stderr)

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, Final, Literal
 
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT, url_of
+from pdwire.roles import Role
 from pdwire.versions import ALL_CAPS, PDWIRE_2, WIRE_VERSION, Profile
 
 from .block_allocator import BlockAllocator, OutOfBlocks
@@ -42,7 +43,7 @@ from .kv_content import (
     next_token,
     place,
 )
-from .node_worker import Role, WorkerError, WorkerHandle, WorkerSpec
+from .node_worker import WorkerError, WorkerHandle, WorkerSpec
 
 logger = logging.getLogger(__name__)
 

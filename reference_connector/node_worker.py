@@ -26,16 +26,16 @@ import multiprocessing
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Literal
+from typing import Any
 
 from pdwire.messages import KV_LAYOUT_NAMES, Fingerprint
+from pdwire.roles import Role
 from pdwire.versions import PDWIRE_2, Profile
 
 from .kv_content import KVShape
 
 logger = logging.getLogger(__name__)
 
-Role = Literal["prefill", "decode"]
 #: ``on_event(worker_index, name, args)``, on the handle's reader thread.
 OnEvent = Callable[[int, str, tuple[Any, ...]], None]
 POLL_S = 0.5  # how often a pipe reader looks up from its pipe

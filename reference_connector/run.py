@@ -78,13 +78,13 @@ from typing import Any, Final, TextIO
 import httpx
 import numpy as np
 
+from pdwire.roles import Role
 from pdwire.versions import PDWIRE_2, Profile
 
 from .kv_content import KVShape, render, tokenize
 from .kv_values import reference_completion
 from .node import NodeConfig
 from .node_api import NodeServer
-from .node_worker import Role
 from .proxy import Prefill, Proxy, ProxyServer
 
 logger = logging.getLogger(__name__)

@@ -101,7 +101,7 @@ def _d_announces_to_legacy() -> None:
         agreed = original(self, addr, engine_id)
         if agreed.announce or self.config.profile != PDWIRE_2:
             return agreed
-        return negotiate("D", self._offer, None)
+        return negotiate("decode", self._offer, None)
 
     replace(ConsumerSession, "_agreement", agreement)
 
@@ -239,7 +239,7 @@ def _p_mute_version() -> None:
     original = ProducerSession._reply
 
     def reply(self: ProducerSession, identity: bytes, agreement: Any, msg: Any) -> None:
-        original(self, identity, negotiate("P", self._offer, LEGACY_PEER), msg)
+        original(self, identity, negotiate("prefill", self._offer, LEGACY_PEER), msg)
 
     replace(ProducerSession, "_reply", reply)
 

@@ -151,7 +151,7 @@ def _v2_to_legacy() -> None:
     original = ProducerSession._reply
 
     def reply(self: ProducerSession, identity: bytes, agreement: Any, msg: Any) -> None:
-        everything = negotiate("P", self._offer, Offer(CURRENT_VERSION, ALL_CAPS))
+        everything = negotiate("prefill", self._offer, Offer(CURRENT_VERSION, ALL_CAPS))
         original(self, identity, everything, msg)
 
     replace(ProducerSession, "_reply", reply)
@@ -209,7 +209,7 @@ def _unannounced_replies() -> None:
     original = ProducerSession._reply
 
     def reply(self: ProducerSession, identity: bytes, agreement: Any, msg: Any) -> None:
-        original(self, identity, negotiate("P", self._offer, LEGACY_PEER), msg)
+        original(self, identity, negotiate("prefill", self._offer, LEGACY_PEER), msg)
 
     replace(ProducerSession, "_reply", reply)
 

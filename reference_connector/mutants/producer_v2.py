@@ -66,7 +66,7 @@ def _newer_version_legacy() -> None:
 
     def agreement(self: ProducerSession, version: int, caps: list[str]) -> Any:
         if version > CURRENT_VERSION:
-            return negotiate("P", self._offer, LEGACY_PEER)
+            return negotiate("prefill", self._offer, LEGACY_PEER)
         return original(self, version, caps)
 
     replace(ProducerSession, "_agreement", agreement)

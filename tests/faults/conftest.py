@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from conformance.testees import Role, Testee
+from conformance.testees import Testee
+from pdwire.roles import Role
 
 from .deployment import Deployment, Requests
 

@@ -13,6 +13,7 @@ import pytest
 
 from conformance import cli, testees
 from conformance.case import all_cases
+from pdwire.roles import Role
 from tests import suite_report
 
 from . import releases
@@ -40,7 +41,7 @@ NO_LEASE = "producer/6.4/4"
 SLOW = "consumer/3.1/2"
 
 
-def _node(role: testees.Role, release: str, *extra: str) -> testees.Testee:
+def _node(role: Role, release: str, *extra: str) -> testees.Testee:
     return testees.start_node(
         role,
         profile="legacy",

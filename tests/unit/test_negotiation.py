@@ -28,12 +28,13 @@ from pdwire import (
     XferResponseV2,
     negotiate,
 )
-from pdwire.negotiation import PeerState, Role
+from pdwire.negotiation import PeerState
+from pdwire.roles import Role
 from pdwire.versions import ALL_CAPS, Profile
 
 from .conftest import PULL_EXTENSIONS, RESPONSE_EXTENSIONS, wire_keys
 
-ROLES: tuple[Role, ...] = ("P", "D")
+ROLES: tuple[Role, ...] = ("prefill", "decode")
 PROFILES: tuple[Profile, ...] = ("legacy", "pdwire/2")
 PEER_STATES: tuple[PeerState, ...] = ("unknown", "legacy", "pdwire/2")
 COMBINATIONS = list(itertools.product(ROLES, PROFILES, PEER_STATES))
@@ -55,7 +56,7 @@ def expected_announce(role: Role, local: Profile, peer: PeerState) -> bool:
     be legacy; a pdwire/2 P announces only to a D that announced."""
     if local == "legacy":
         return False
-    return peer != "legacy" if role == "D" else peer == "pdwire/2"
+    return peer != "legacy" if role == "decode" else peer == "pdwire/2"
 
 
 FULL_RESPONSE = XferResponseV2(
@@ -152,7 +153,7 @@ def test_a_peer_above_pdwire2_is_spoken_to_at_pdwire2(role: Role, version: int) 
 
 @pytest.mark.parametrize("version", [0, 1])
 def test_a_peer_without_pdwire2_is_legacy(version: int) -> None:
-    agreement = negotiate("P", Offer.of("pdwire/2", LOCAL_CAPS), Offer(version, PEER_CAPS))
+    agreement = negotiate("prefill", Offer.of("pdwire/2", LOCAL_CAPS), Offer(version, PEER_CAPS))
     assert (agreement.profile, agreement.announce, agreement.caps) == ("legacy", False, frozenset())
 
 
@@ -165,15 +166,15 @@ def test_offer_of_legacy_drops_caps() -> None:
 
 CANCEL_REFUSED: dict[str, Agreement | Profile] = {
     "agreement-without-cancel": negotiate(
-        "D", Offer.of("pdwire/2", LOCAL_CAPS), Offer(2, frozenset({"fingerprint"}))
+        "decode", Offer.of("pdwire/2", LOCAL_CAPS), Offer(2, frozenset({"fingerprint"}))
     ),
     "local-without-cancel": negotiate(
-        "D", Offer.of("pdwire/2", frozenset({"deadline"})), Offer(2, PEER_CAPS)
+        "decode", Offer.of("pdwire/2", frozenset({"deadline"})), Offer(2, PEER_CAPS)
     ),
     "profile-legacy": "legacy",
-    "d-peer-unknown": negotiate("D", Offer.of("pdwire/2", LOCAL_CAPS), None),
-    "d-peer-legacy": negotiate("D", Offer.of("pdwire/2", LOCAL_CAPS), LEGACY_PEER),
-    "d-legacy-peer-pdwire2": negotiate("D", Offer.of("legacy"), Offer(2, PEER_CAPS)),
+    "d-peer-unknown": negotiate("decode", Offer.of("pdwire/2", LOCAL_CAPS), None),
+    "d-peer-legacy": negotiate("decode", Offer.of("pdwire/2", LOCAL_CAPS), LEGACY_PEER),
+    "d-legacy-peer-pdwire2": negotiate("decode", Offer.of("legacy"), Offer(2, PEER_CAPS)),
 }
 
 
@@ -185,7 +186,7 @@ def test_cancel_to_a_peer_that_cannot_decode_it_is_refused(profile: Agreement | 
 
 
 def test_cancel_with_agreed_cap_encodes() -> None:
-    agreement = negotiate("D", Offer.of("pdwire/2", LOCAL_CAPS), Offer(2, PEER_CAPS))
+    agreement = negotiate("decode", Offer.of("pdwire/2", LOCAL_CAPS), Offer(2, PEER_CAPS))
     assert agreement.allows(Capability.CANCEL)
     data = pdwire.encode_cancel(CANCEL, agreement)
     assert pdwire.decode_cancel(data) == CANCEL
@@ -194,8 +195,8 @@ def test_cancel_with_agreed_cap_encodes() -> None:
 
 # -- nothing sent that the peer cannot decode (§8.4) ---------------------------------------------
 
-P_TO_NON_PDWIRE2 = [c for c in COMBINATIONS if c[0] == "P" and c[2] != "pdwire/2"]
-D_TO_LEGACY = [c for c in COMBINATIONS if c[0] == "D" and "legacy" in (c[1], c[2])]
+P_TO_NON_PDWIRE2 = [c for c in COMBINATIONS if c[0] == "prefill" and c[2] != "pdwire/2"]
+D_TO_LEGACY = [c for c in COMBINATIONS if c[0] == "decode" and "legacy" in (c[1], c[2])]
 
 
 @pytest.mark.parametrize(("role", "local", "peer"), P_TO_NON_PDWIRE2)
@@ -221,7 +222,7 @@ def test_extensions_travel_exactly_when_announcing(
     role: Role, local: Profile, peer: PeerState
 ) -> None:
     agreement = agree(role, local, peer)
-    if role == "D":
+    if role == "decode":
         keys = wire_keys(pdwire.encode_pull(FULL_PULL, agreement)) & set(PULL_EXTENSIONS)
     else:
         keys = wire_keys(pdwire.encode_response(FULL_RESPONSE, agreement)) & set(
