@@ -55,9 +55,9 @@ def _query_before_health() -> None:
 
 @mutant("proxy-bootstrap-port-8999", "proxy", "takes an omitted bootstrap port as 8999, not 8998")
 def _bootstrap_port_8999() -> None:
-    from .. import proxy
+    from pdwire import http_models
 
-    replace(proxy, "DEFAULT_BOOTSTRAP_PORT", 8999)
+    replace(http_models, "DEFAULT_BOOTSTRAP_PORT", 8999)
 
 
 # -- the legs' bodies ------------------------------------------------------------------------

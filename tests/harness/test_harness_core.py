@@ -139,7 +139,8 @@ def test_longer_waits_give_a_case_a_longer_bound() -> None:
     assert asyncio.run(run_case(slow, lambda log: None, stretched)).verdict is Verdict.PASS
     parser = build_parser()
     for given, scale in (([], 1.0), (["--timeout", "3"], 1.0), (["--timeout", "60"], 6.0)):
-        args = parser.parse_args(["conformance", "pair", "--prefill", "x", "--decode", "y", *given])
+        pair = ["conformance", "pair", "--prefill", "http://p:8100", "--decode", "http://d:8200"]
+        args = parser.parse_args([*pair, *given])
         assert cli.run_options(args).timeout_scale == scale
 
 
