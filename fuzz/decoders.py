@@ -40,7 +40,8 @@ from pdwire import (
 )
 from pdwire.http_models import RegisterError
 from pdwire.legacy import older_variants
-from pdwire.negotiation import LEGACY_PEER, Offer, Role
+from pdwire.negotiation import LEGACY_PEER, Offer
+from pdwire.roles import Role
 from pdwire.vectors import AUTH_KEY
 from pdwire.versions import ALL_CAPS, LEGACY, PDWIRE_2, WIRE_VERSION
 
@@ -165,7 +166,7 @@ def negotiation(data: bytes) -> None:
     """§8.3: the table's answer for any version and capabilities a peer may announce."""
     r = Reader(data)
     while r.remaining:
-        role: Role = r.choice(("P", "D"))
+        role: Role = r.choice(("prefill", "decode"))
         local = Offer.of(r.choice((LEGACY, PDWIRE_2)), frozenset(r.subset(_CAP_NAMES)))
         version = r.choice(_VERSIONS) if r.flag() else r.below(1 << 16)
         peer = r.choice((None, LEGACY_PEER, Offer(version, frozenset(r.subset(_CAP_NAMES)))))
@@ -176,5 +177,5 @@ def negotiation(data: bytes) -> None:
             raise AssertionError("a legacy side announced or agreed capabilities")
         if not agreed.caps <= local.caps & (peer.caps if peer else frozenset()):
             raise AssertionError(f"agreed caps {agreed.caps} not offered by both")
-        if peer is None and agreed.profile == PDWIRE_2 and role == "P":
+        if peer is None and agreed.profile == PDWIRE_2 and role == "prefill":
             raise AssertionError("P answers pdwire/2 to a D that did not announce")
