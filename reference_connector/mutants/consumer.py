@@ -24,6 +24,7 @@ from pdwire.events import LoadRequest, LoadsRequested, ReplyReceived, RequestFai
 from pdwire.messages import ErrorCode, XferCancel, XferMetadataV2, XferResponseV2
 from pdwire.messages import XferResponseStatus as Status
 from pdwire.negotiation import LEGACY_PEER, Agreement, Offer
+from pdwire.roles import Role
 from pdwire.transitions import LoadState
 from pdwire.versions import CURRENT_VERSION, PDWIRE_2, Capability
 
@@ -603,9 +604,9 @@ def _ignores_reply_version() -> None:
 def _announces_to_legacy() -> None:
     original = negotiation.negotiate
 
-    def negotiate(role: Any, local: Offer, peer: Offer | None) -> Agreement:
+    def negotiate(role: Role, local: Offer, peer: Offer | None) -> Agreement:
         agreement = original(role, local, peer)
-        if role == "D" and local.version >= 2 and not agreement.announce:
+        if role == "decode" and local.version >= 2 and not agreement.announce:
             return dataclasses.replace(agreement, profile=PDWIRE_2, announce=True)
         return agreement
 
@@ -616,7 +617,7 @@ def _announces_to_legacy() -> None:
 def _newer_p_is_legacy() -> None:
     original = negotiation.negotiate
 
-    def negotiate(role: Any, local: Offer, peer: Offer | None) -> Agreement:
+    def negotiate(role: Role, local: Offer, peer: Offer | None) -> Agreement:
         if peer is not None and peer.version > CURRENT_VERSION:
             peer = LEGACY_PEER
         return original(role, local, peer)
