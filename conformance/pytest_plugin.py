@@ -232,7 +232,7 @@ class Testee:
         if serving is not None:
             why = self._call(stopped_after(result, serving, restart))
             if why is not None:
-                self._stopped[case.suite] = f"the testee stopped serving after {case.id}: {why}"
+                self._stopped[case.suite] = why
         return result
 
     def check(self, case: Case) -> None:

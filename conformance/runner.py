@@ -170,19 +170,20 @@ def blocked(case: Case, why: str) -> Result:
 
 
 async def stopped_after(result: Result, serving: Probe, restart: Probe | None) -> str | None:
-    """Why the testee no longer serves after ``result``; None when the case did not fail, or
-    the testee still serves, or ``restart`` (when given) brought it back, which the result's
-    detail then says."""
+    """Why the cases after ``result``'s cannot run: the testee stopped serving after it. None
+    when the case did not fail, or the testee still serves, or ``restart`` (when given) brought
+    it back, which the result's detail then says."""
     if result.verdict not in _FAILED:
         return None
     why = await serving()
-    if why is None or restart is None:
-        return why
-    failed = await restart()
-    if failed is not None:
-        return f"{why}; restarting it failed: {failed}"
-    result.detail += f"\nthe testee stopped serving after this case ({why}), and was restarted"
-    return None
+    if why is not None and restart is not None:
+        failed = await restart()
+        if failed is None:
+            note = f"the testee stopped serving after this case ({why}), and was restarted"
+            result.detail += f"\n{note}"
+            return None
+        why = f"{why}; restarting it failed: {failed}"
+    return None if why is None else f"the testee stopped serving after {result.case.id}: {why}"
 
 
 async def run_cases(
@@ -207,8 +208,7 @@ async def run_cases(
             on_result(result)
         if why is not None:
             for rest in cases[i + 1 :]:
-                after = f"the testee stopped serving after {case.id}: {why}"
-                results.append(blocked(rest, after))
+                results.append(blocked(rest, why))
                 if on_result is not None:
                     on_result(results[-1])
             break

@@ -6,7 +6,5 @@ from __future__ import annotations
 from typing import Final, Literal
 
 Role = Literal["prefill", "decode"]
-PREFILL: Final = "prefill"
-DECODE: Final = "decode"
 #: How the spec writes each role.
 LETTER: Final[dict[Role, str]] = {"prefill": "P", "decode": "D"}

@@ -20,27 +20,10 @@ class PEngine:
     dp_rank: int
     entry: dict[str, Any]
 
-    @property
-    def engine_id(self) -> str:
-        return str(self.entry.get("engine_id") or "")
-
-    @property
-    def tp(self) -> int:
-        return int(self.entry.get("tp_size") or len(self.entry.get("worker_addr") or {}) or 1)
-
-    @property
-    def pp(self) -> int:
-        addrs: dict[str, dict[str, str]] = self.entry.get("worker_addr") or {}
-        first: dict[str, str] = next(iter(addrs.values()), {})
-        return int(self.entry.get("pp_size") or len(first) or 1)
-
-    @property
-    def version(self) -> int:
-        return int(self.entry.get("pdwire_version") or 0)
-
 
 class OfPEngine:
-    """What a suite's world that tests one engine of P (``p``) says of it."""
+    """What a suite's world that tests one engine of P (``p``) says of it: the sizes and
+    version its entry says, or derives from its workers' addresses."""
 
     p: PEngine
 
@@ -58,19 +41,21 @@ class OfPEngine:
 
     @property
     def engine_id(self) -> str:
-        return self.p.engine_id
+        return str(self.entry.get("engine_id") or "")
 
     @property
     def p_tp(self) -> int:
-        return self.p.tp
+        return int(self.entry.get("tp_size") or len(self.entry.get("worker_addr") or {}) or 1)
 
     @property
     def p_pp(self) -> int:
-        return self.p.pp
+        addrs: dict[str, dict[str, str]] = self.entry.get("worker_addr") or {}
+        first: dict[str, str] = next(iter(addrs.values()), {})
+        return int(self.entry.get("pp_size") or len(first) or 1)
 
     @property
     def p_version(self) -> int:
-        return self.p.version
+        return int(self.entry.get("pdwire_version") or 0)
 
 
 async def query_engine(

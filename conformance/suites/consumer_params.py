@@ -51,8 +51,8 @@ async def decodes_from_the_loaded_kv(t: ConsumerCtx) -> None:
     prompt's KV (the fake P's random bytes), its text differs from its local text for the same
     prompt, which is exactly what a D that silently recomputed would give. Its generated token
     ids and their log probabilities (within a tolerance) are compared too where D returns them,
-    and the prompt is
-    one whose local output is not empty: a model that stops at once on it tells nothing."""
+    and the prompt is one whose local output is not empty: a model that stops at once on it
+    tells nothing."""
     for _ in range(TEXT_TRIES):
         prompt = t.prompt()
         local = await t.local_output(prompt)

@@ -236,9 +236,9 @@ class PairEnv(OfPEngine):
         picked = await query_engine(self.http, o.prefill_bootstrap, o.engine_id, log)
         if isinstance(picked, str):
             raise RuntimeError(picked)
-        if not picked.engine_id:
-            raise RuntimeError(f"P's engine at {o.prefill_bootstrap} has no engine_id")
         self.p = picked
+        if not self.engine_id:
+            raise RuntimeError(f"P's engine at {o.prefill_bootstrap} has no engine_id")
         if not self.model:
             models = await request(self.http, "GET", f"{o.decode}/v1/models", log)
             try:

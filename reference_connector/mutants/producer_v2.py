@@ -21,7 +21,14 @@ from pdwire.events import (
     TransferWillNotSend,
     WriteCompleted,
 )
-from pdwire.messages import ErrorCode, Fingerprint, XferCancel, XferMetadataV2, XferResponseV2
+from pdwire.messages import (
+    KV_LAYOUT_NAMES,
+    ErrorCode,
+    Fingerprint,
+    XferCancel,
+    XferMetadataV2,
+    XferResponseV2,
+)
 from pdwire.messages import XferResponseStatus as Status
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 from pdwire.planning import PlanError, descriptors
@@ -136,7 +143,8 @@ def _misnames_layout() -> None:
         fp = original(self)
         if fp is None:
             return None
-        other = "LBHN2C" if fp.kv_layout == "LBHNC" else "LBHNC"
+        apart, together = KV_LAYOUT_NAMES["apart"], KV_LAYOUT_NAMES["together"]
+        other = together if fp.kv_layout == apart else apart
         return dataclasses.replace(fp, kv_layout=other)
 
     replace(WorkerSpec, "fingerprint", fingerprint)

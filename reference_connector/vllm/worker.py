@@ -94,9 +94,8 @@ class PdwireWorker:
             replicated=model.use_mla or pos.tp_size > heads,
             total_kv_heads=heads,
         )
-        layout = found.kv_layout(model.use_mla)
         fp = (
-            fingerprint(self._vllm_config, self._kv_cache_config, layout)
+            fingerprint(self._vllm_config, self._kv_cache_config, found.kv_layout(model.use_mla))
             if s.profile == PDWIRE_2
             else None
         )

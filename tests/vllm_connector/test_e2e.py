@@ -272,7 +272,7 @@ def _pair_suite_passes(tmp_path: Path, p: sv.Server, d: sv.Server, name: str) ->
     sv.wait_idle([p, d])
 
 
-@pytest.mark.parametrize("pair", ["pdwire2", "legacy", "vllm-P-to-pdwire-D", "pdwire-P-to-vllm-D"])
+@pytest.mark.parametrize("pair", PAIRS)
 def test_the_pair_conformance_suite_passes(
     servers: dict[str, sv.Server], tmp_path: Path, pair: str
 ) -> None:
