@@ -65,7 +65,10 @@ BREAKS = "producer/2.1/5"
 def test_a_testee_that_stops_serving_blocks_its_cases_left(
     pytester: pytest.Pytester, crashing_p: testees.Testee
 ) -> None:
-    result = _run(pytester, crashing_p, "--pdwire-cases", f"producer/3.1/2,{BREAKS},producer/3.4/1")
+    # -rN: no short summary, whose lines CI (the CI variable) prints untruncated
+    result = _run(
+        pytester, crashing_p, "-rN", "--pdwire-cases", f"producer/3.1/2,{BREAKS},producer/3.4/1"
+    )
     result.assert_outcomes(failed=3)
     # the case that may break a testee runs last; the cases after the one that broke it are
     # blocked at once, naming it
