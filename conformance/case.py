@@ -136,7 +136,6 @@ class Case:
     title: str
     timeout: float
     func: CaseFunc
-    caught_by: tuple[str, ...] = ()  # mutants of the reference testee that this case catches
     risk: int | None = None  # the known risk (facts file section 10) it guards against
     #: the case may leave a testee that follows the legacy profile unable to serve (vLLM's P
     #: stops its listener for good on a message of three frames; vLLM 0.32's D engine dies on a
@@ -161,7 +160,6 @@ def case(
     *,
     covers: tuple[str, ...] = (),
     timeout: float = 10.0,
-    caught_by: tuple[str, ...] = (),
     risk: int | None = None,
     breaks_testee: bool = False,
 ) -> Callable[[Callable[[Ctx], Awaitable[None]]], Callable[[Ctx], Awaitable[None]]]:
@@ -193,7 +191,6 @@ def case(
             title=title,
             timeout=timeout,
             func=func,
-            caught_by=caught_by,
             risk=risk,
             breaks_testee=breaks_testee,
         )

@@ -12,7 +12,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from pathlib import Path
 from typing import Any
 
 from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
@@ -330,43 +329,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="start the reference testees and run every suite against them",
         description="Start the reference P node (TP 2, with its bootstrap server) and D node on "
         "loopback, with a short VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, run every suite against "
-        "them and stop them. With --mutant, the testee of the mutant's role has that defect.",
-    )
-    me.add_argument(
-        "--mutant",
-        metavar="NAME",
-        default="",
-        help="give the reference testee this defect (see: pdwire conformance mutants)",
+        "them and stop them.",
     )
     _common(me)
     me.set_defaults(func=cmd_self)
-
-    mut = sub.add_parser(
-        "mutants",
-        help="list the reference testee's mutants, one a line; --check shows each is caught",
-        description="Without --check: the names of the mutants of the reference testee that "
-        "the cases name, one a line. With --check: start the reference testees and run each "
-        "mutant (all, or those named) against the cases that name it; every such case must "
-        "fail (SHOULD cases are run as --strict). Exit 0 only when every mutant is caught.",
-    )
-    mut.add_argument("names", nargs="*", metavar="NAME", help="the mutants to check (all)")
-    mut.add_argument("--check", action="store_true", help="run them, not just list them")
-    mut.add_argument("--json", metavar="PATH", help="write each mutant's verdicts as JSON")
-    mut.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        metavar="N",
-        help="check up to N groups of mutants side by side, each in testees of its own (1)",
-    )
-    mut.add_argument(
-        "--timeout",
-        type=float,
-        default=3.0,
-        metavar="S",
-        help="seconds to wait for any one reply of a testee (3)",
-    )
-    mut.set_defaults(func=cmd_mutants)
 
     trace = sub.add_parser(
         "trace",
@@ -669,64 +635,14 @@ def cmd_registration(args: argparse.Namespace) -> int:
     )
 
 
-def cmd_mutants(args: argparse.Namespace) -> int:
-    cases = all_cases()
-    names = sorted({m for c in cases for m in c.caught_by})
-    if not args.check:
-        print("\n".join(names))
-        return EXIT_OK
-    from .mutation import MutantResult, check_mutants
-
-    chosen = args.names or names
-    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
-    done = [0]
-
-    def show(r: MutantResult) -> None:
-        done[0] += 1
-        mark = "caught" if r.caught else "SURVIVED"
-        survived = {i: v for i, v in r.verdicts.items() if v != "fail"}
-        extra = f" {survived}" if survived else ""
-        print(
-            f"[{done[0]:>3}/{len(chosen)}] {mark:<8} {r.name:<28} {r.role:<8} {r.mode:<9} "
-            f"{len(r.verdicts)} case(s) {r.seconds:.1f}s{extra}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    try:
-        results = asyncio.run(check_mutants(chosen, cases, args.timeout, show, args.jobs))
-    except (RuntimeError, OSError, TimeoutError) as exc:
-        print(f"pdwire conformance mutants: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    survivors = [r.name for r in results if not r.caught]
-    print(
-        f"{len(results)} mutants: {len(results) - len(survivors)} caught, "
-        f"{len(survivors)} survived{': ' + ', '.join(survivors) if survivors else ''}"
-    )
-    if args.json:
-        rows = [
-            {
-                "name": r.name,
-                "role": r.role,
-                "mode": r.mode,
-                "caught": r.caught,
-                "seconds": round(r.seconds, 2),
-                "verdicts": r.verdicts,
-            }
-            for r in results
-        ]
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n", encoding="utf-8")
-    return EXIT_FAILED if survivors else EXIT_OK
-
-
 def cmd_self(args: argparse.Namespace) -> int:
     from .selftest import run_self
 
     return _run(
         args,
         None,
-        lambda cases, ro, progress: run_self(args.mutant, cases, ro, progress, args.timeout),
-        {"role": "self", "mutant": args.mutant or None},
+        lambda cases, ro, progress: run_self(cases, ro, progress, args.timeout),
+        {"role": "self"},
     )
 
 

@@ -33,6 +33,13 @@ def fill(template: str, values: dict[str, str], what: str) -> list[str]:
         raise ValueError(f"bad {what} command template {template!r} ({exc}); use {known}") from exc
 
 
+def with_env(template: str, env: dict[str, str]) -> str:
+    """``template`` run with ``env`` added to its environment (by ``env(1)``)."""
+    if not env:
+        return template
+    return shlex.join(["env", *(f"{k}={v}" for k, v in env.items())]) + " " + template
+
+
 def check(template: str, placeholders: Sequence[str], what: str) -> None:
     """``ValueError`` unless ``template`` is a command line using only ``placeholders``."""
     fill(template, dict.fromkeys(placeholders, "x"), what)

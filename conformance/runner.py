@@ -36,7 +36,7 @@ class RunOptions:
     known_flaky: frozenset[str] = frozenset()  # globs; such a case may fail
     timeout_scale: float = 1.0  # multiplies every case's timeout
     #: after a failed case, ask the testee whether it still serves, and block the cases left
-    #: when it does not; off where every case must run whatever the ones before did (mutants)
+    #: when it does not; off where every case must run whatever the ones before it did
     probe: bool = True
     #: a shell command that restarts a testee that stopped serving, so that the cases left run
     restart_command: str | None = None

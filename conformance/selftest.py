@@ -6,8 +6,8 @@ the consumer suite's fake P writes bytes of its own. Both run with short timers.
 needs other testees names them in ``LAYOUTS`` (a P of two PP stages, a D of TP 2), and the
 authentication cases (§8.6) run against a P and D that share a key with the harness: each
 layout gets testees of its own. The proxy and registration suites, whose cases start a
-reference proxy or P of their own, run beside the layouts. A mutant goes to the testee of its
-role only.
+reference proxy or P of their own, run beside the layouts. A caller may add variables to the
+environment of the testees of one kind (``Environ``), also of those the cases start.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import dataclasses
 import os
 import shlex
 import tempfile
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from pdwire.codec import DEFAULT_MAX_MESSAGE_BYTES
 from pdwire.roles import Role
@@ -28,6 +28,7 @@ from pdwire.sim.geometry import Geometry
 
 from . import testees
 from .case import Case, Suite
+from .command import with_env
 from .runner import Result, RunOptions
 
 RECEIVE_TIMEOUT = 3.0  # the reference D's receive timeout per pull
@@ -35,6 +36,8 @@ DECODE_FLAGS = ("--no-verify-kv", "--receive-timeout", str(RECEIVE_TIMEOUT))
 AUTH_SECTION = "8.6"
 #: The key the keyed testees share with the harness.
 AUTH_KEY = b"pdwire conformance self"
+#: What the testees of each kind ("prefill", "decode", "proxy") add to their environment.
+Environ = Mapping[str, dict[str, str]]
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -155,11 +158,11 @@ def roles_for(cases: Sequence[Case]) -> set[Role]:
 def start(
     role: Role,
     layout: Layout = DEFAULT,
-    mutant: str = "",
-    mutant_control: bool = False,
+    env: dict[str, str] | None = None,
     key_file: str = "",
 ) -> testees.Testee:
-    """A reference testee of ``layout``; with ``key_file``, sharing that key (§8.6)."""
+    """A reference testee of ``layout``, ``env`` added to its environment; with ``key_file``,
+    sharing that key (§8.6)."""
     extra = ("--auth-key-file", key_file) if key_file else ()
     geometry = testees.geometry(layout.kv_heads)
     if layout.kernel_block_size:
@@ -180,8 +183,7 @@ def start(
             role,
             tp=layout.prefill_tp,
             pp=layout.prefill_pp,
-            mutant=mutant,
-            mutant_control=mutant_control,
+            env=env,
             extra=(*extra, *delay),
             abort_timeout=layout.abort_timeout,
             geometry=geometry,
@@ -189,8 +191,7 @@ def start(
     return testees.start_node(
         role,
         tp=layout.decode_tp,
-        mutant=mutant,
-        mutant_control=mutant_control,
+        env=env,
         extra=(*DECODE_FLAGS, *extra),
         abort_timeout=layout.abort_timeout,
         geometry=geometry,
@@ -205,26 +206,16 @@ class Testbed:
     nodes: dict[Role, testees.Testee] = dataclasses.field(default_factory=dict)
     roles: set[Role] = dataclasses.field(default_factory=set)  # those it was started with
     key_file: str = ""  # the nodes share AUTH_KEY, kept in this file
-    mutant_control: bool = False
-    mutant: str = ""  # a defect for the testees of ``mutant_role``, also those the cases start
-    mutant_role: str = ""
+    environ: Environ = dataclasses.field(default_factory=dict)  # also of the testees cases start
 
     @property
     def auth_key(self) -> bytes | None:
         return AUTH_KEY if self.key_file else None
 
-    async def start(
-        self,
-        roles: set[Role],
-        mutant: str = "",
-        role: str = "",
-        mutant_control: bool = False,
-    ) -> None:
+    async def start(self, roles: set[Role]) -> None:
         """Start the nodes of ``roles`` at once (starting one is mostly waiting for its worker
-        processes); ``mutant`` goes to the node of ``role``."""
-        self.mutant_control = mutant_control
+        processes)."""
         self.roles = set(roles)
-        self.mutant, self.mutant_role = mutant, role
         if self.layout.keyed and not self.key_file:
             fd, self.key_file = tempfile.mkstemp(prefix="pdwire-conformance-", suffix=".key")
             with os.fdopen(fd, "wb") as f:
@@ -232,14 +223,7 @@ class Testbed:
         todo = sorted(roles)
         got = await asyncio.gather(
             *(
-                asyncio.to_thread(
-                    start,
-                    r,
-                    self.layout,
-                    self.mutant_of(r),
-                    mutant_control,
-                    self.key_file,
-                )
+                asyncio.to_thread(start, r, self.layout, self.env_of(r), self.key_file)
                 for r in todo
             ),
             return_exceptions=True,
@@ -251,17 +235,17 @@ class Testbed:
         if errors:
             raise errors[0]
 
-    def mutant_of(self, role: str) -> str:
-        """The mutant of a testee of ``role`` ("" = none): a node of this testbed, or a proxy,
-        P or D that a case starts from a reference command."""
-        return self.mutant if role == self.mutant_role else ""
+    def env_of(self, kind: str) -> dict[str, str]:
+        """What a testee of ``kind`` adds to its environment: a node of this testbed, or a
+        proxy, P or D that a case starts from a reference command."""
+        return self.environ.get(kind, {})
 
     async def restart(self, role: Role) -> None:
         node = self.nodes.pop(role, None)
         if node is not None:
             await asyncio.to_thread(node.stop)
         self.nodes[role] = await asyncio.to_thread(
-            start, role, self.layout, "", self.mutant_control, self.key_file
+            start, role, self.layout, self.env_of(role), self.key_file
         )
 
     async def stop(self) -> None:
@@ -272,7 +256,7 @@ class Testbed:
             self.key_file = ""
 
 
-def reference_d_command(mutant: str = "") -> str:
+def reference_d_command(env: dict[str, str] | None = None) -> str:
     """The template of the reference D that the consumer cases which start a D of their own
     start. Its engine id is fixed, so that a D which derived its layout_id from it would send
     the same one after a restart."""
@@ -281,7 +265,7 @@ def reference_d_command(mutant: str = "") -> str:
         "--engine-id", "pdwire-conformance-d", *testees.GEOMETRY, *DECODE_FLAGS,
         "--abort-timeout", str(testees.ABORT_TIMEOUT),
     ]  # fmt: skip
-    return shlex.join(args + (["--mutant", mutant] if mutant else []))
+    return with_env(shlex.join(args), env or {})
 
 
 async def run_suites(
@@ -320,7 +304,7 @@ async def run_suites(
             kv_lease_duration=bed.layout.lease,
             request_timeout=timeout,
             auth_key=bed.auth_key,
-            d_command=reference_d_command(bed.mutant_of("decode")),
+            d_command=reference_d_command(bed.env_of("decode")),
             sliding_window=bed.layout.sliding_window or None,
         )
         results += await run_consumer(copts, cases, options, on_result)
@@ -334,29 +318,30 @@ async def run_suites(
     if Suite.PROXY in wanted:
         from .suites.proxy_env import reference_options, run_proxy
 
-        proxyopts = reference_options(bed.mutant_of("proxy"), timeout)
+        proxyopts = reference_options(bed.env_of("proxy"), timeout)
         results += await run_proxy(proxyopts, cases, options, on_result)
     if Suite.REGISTRATION in wanted:
         from .suites import registration_env
 
-        regopts = registration_env.reference_options(bed.mutant_of("prefill"), timeout)
+        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
         results += await registration_env.run_registration(regopts, cases, options, on_result)
     return results
 
 
 @contextlib.asynccontextmanager
-async def testbed(roles: set[Role], layout: Layout = DEFAULT, **kw: Any) -> AsyncIterator[Testbed]:
-    bed = Testbed(layout)
+async def testbed(
+    roles: set[Role], layout: Layout = DEFAULT, environ: Environ | None = None
+) -> AsyncIterator[Testbed]:
+    bed = Testbed(layout, environ=environ or {})
     try:
-        await bed.start(roles, **kw)
+        await bed.start(roles)
         yield bed
     finally:
         await bed.stop()
 
 
 async def _run_layouts(
-    mutant: str,
-    role: str,
+    environ: Environ,
     cases: Sequence[Case],
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
@@ -367,9 +352,9 @@ async def _run_layouts(
     stopping: list[asyncio.Task[None]] = []
     try:
         for layout, mine in by_layout(cases).items():
-            bed = Testbed(layout)
+            bed = Testbed(layout, environ=environ)
             try:
-                await bed.start(roles_for(mine), mutant, role)
+                await bed.start(roles_for(mine))
                 results += await run_suites(bed, mine, options, on_result, timeout)
             finally:
                 # A layout's testees stop while the next one's start: a stop is mostly waiting
@@ -381,22 +366,23 @@ async def _run_layouts(
 
 
 async def run_self(
-    mutant: str,
     cases: Sequence[Case],
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
+    environ: Environ | None = None,
 ) -> list[Result]:
-    """Every case of ``cases`` against the reference testees, ``mutant`` in the one of its
-    role; the results in the order of ``cases``. The suites that start testees of their own
-    (``BESIDE``) run beside the others: most of their time is waiting for those to start."""
-    role = testees.mutants()[mutant].role if mutant else ""
-    own = Testbed(mutant=mutant, mutant_role=role)
+    """Every case of ``cases`` against the reference testees, each kind of them with what
+    ``environ`` adds to its environment; the results in the order of ``cases``. The suites that
+    start testees of their own (``BESIDE``) run beside the others: most of their time is waiting
+    for those to start."""
+    environ = environ or {}
+    own = Testbed(environ=environ)
     beside = [c for c in cases if c.suite in BESIDE]
     alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
-        results = await _run_layouts(mutant, role, rest, options, on_result, timeout)
+        results = await _run_layouts(environ, rest, options, on_result, timeout)
         results += await alongside
     finally:
         if not alongside.done():

@@ -1,5 +1,5 @@
 """Testees the harness starts itself: the reference P and D nodes (``pdwire node``) as child
-processes on loopback with free ports, optionally with one deliberate defect (``--mutant``).
+processes on loopback with free ports, each with the environment the caller adds.
 
 The harness never imports the reference connector: it only runs its command line.
 """
@@ -15,15 +15,13 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import httpx
 
 from pdwire.roles import Role
 
 from .ports import free_port
-
-MutantRole = Literal["prefill", "decode", "proxy"]  # a proxy mutant: ``pdwire proxy --mutant``
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 16, 4
 
@@ -83,17 +81,6 @@ class Testee(ChildProcess):
     bootstrap: str  # "" for a decode node
     process: subprocess.Popen[bytes]
     log_path: Path
-    mutant: str = ""
-
-    def set_mutant(self, name: str, timeout: float = 30.0) -> None:
-        """Switch a node started with ``mutant_control`` to mutant ``name`` ("" = none)."""
-        try:
-            response = httpx.post(f"{self.url}/pdwire/mutant", json={"name": name}, timeout=timeout)
-        except httpx.HTTPError as exc:
-            raise TesteeError(f"{self.role} node did not switch to mutant {name!r}: {exc}") from exc
-        if response.status_code != 200:
-            raise TesteeError(f"{self.role} node refused mutant {name!r}: {response.text}")
-        self.mutant = name
 
     def settled(self, timeout: float) -> bool:
         """Whether the node is healthy and holds no block within ``timeout`` seconds."""
@@ -134,29 +121,6 @@ class Testee(ChildProcess):
         raise TesteeError(f"the {self.role} node did not answer /health within {timeout}s:\n{tail}")
 
 
-@dataclasses.dataclass(frozen=True)
-class MutantInfo:
-    name: str
-    role: MutantRole
-    switchable: bool  # can be switched on in a running node (--mutant-control)
-
-
-def mutants() -> dict[str, MutantInfo]:
-    """The reference node's mutants, as its ``--list-mutants`` tells them."""
-    out = subprocess.run(
-        [sys.executable, "-m", "pdwire", "node", "--list-mutants"],
-        capture_output=True, text=True, check=True, timeout=60,
-    ).stdout  # fmt: skip
-    found: dict[str, MutantInfo] = {}
-    for line in out.splitlines():
-        name, role, mode, *_ = line.split()
-        kind: MutantRole = "proxy" if role == "proxy" else "decode"
-        if role == "prefill":
-            kind = "prefill"
-        found[name] = MutantInfo(name, kind, mode == "switchable" and kind != "proxy")
-    return found
-
-
 #: In a node's log when another process took a port between its choice and its bind (the
 #: Mooncake engine picks its listeners' ports itself): the start is tried once more.
 PORT_TAKEN: Final = "Address already in use"
@@ -185,8 +149,6 @@ def node_command(
     tp: int = 1,
     pp: int = 1,
     profile: str = "pdwire/2",
-    mutant: str = "",
-    mutant_control: bool = False,
     extra: Sequence[str] = (),
     abort_timeout: float = ABORT_TIMEOUT,
     geometry: Sequence[str] = GEOMETRY,
@@ -202,17 +164,12 @@ def node_command(
         args += ["--bootstrap", bootstrap]
     elif role == "prefill" and bootstrap_port:
         args += ["--bootstrap-port", str(bootstrap_port)]
-    if mutant:
-        args += ["--mutant", mutant]
-    if mutant_control:
-        args.append("--mutant-control")
     return args
 
 
 def spawn_node(
     role: Role,
     *,
-    mutant: str = "",
     abort_timeout: float = ABORT_TIMEOUT,
     env: dict[str, str] | None = None,
     bootstrap: str = "",
@@ -230,7 +187,6 @@ def spawn_node(
         port,
         bootstrap=bootstrap,
         bootstrap_port=bootstrap_port,
-        mutant=mutant,
         abort_timeout=abort_timeout,
         **command,
     )
@@ -245,4 +201,4 @@ def spawn_node(
     }
     with os.fdopen(fd, "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=environ)
-    return Testee(role, f"http://127.0.0.1:{port}", bootstrap, process, Path(name), mutant)
+    return Testee(role, f"http://127.0.0.1:{port}", bootstrap, process, Path(name))

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, Final
+from collections.abc import Iterable
+from typing import Any, Final
 
 from . import auth, sections
 from .codec import decode_response, encode_cancel, encode_heartbeat, encode_pull
@@ -113,15 +113,6 @@ class _Pull:
 class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
     """One D worker's protocol state: the engines it knows, its pulls, its loading requests."""
 
-    HANDLERS: ClassVar[Mapping[type, str]] = {
-        RequestQueued: "_on_queued",
-        LoadsRequested: "_on_loads",
-        EngineResolved: "_on_engine",
-        ReplyReceived: "_on_reply",
-        AbortRequested: "_on_abort",
-        TimePassed: "_on_time",
-    }
-
     def __init__(self, config: ConsumerConfig) -> None:
         super().__init__()
         self.config = config
@@ -173,6 +164,23 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 section=sections.BEHAVIOUR,
             )
         load.state = nxt
+
+    def _dispatch(self, event: ConsumerInput, now: float) -> None:
+        match event:
+            case RequestQueued():
+                self._on_queued(event, now)
+            case LoadsRequested():
+                self._on_loads(event, now)
+            case EngineResolved():
+                self._on_engine(event, now)
+            case ReplyReceived():
+                self._on_reply(event, now)
+            case AbortRequested():
+                self._on_abort(event, now)
+            case TimePassed():
+                self._on_time(event, now)
+            case _:
+                raise TypeError(f"not an input of D's session: {event!r}")
 
     def _on_loads(self, ev: LoadsRequested, now: float) -> None:
         seen: set[str] = set()

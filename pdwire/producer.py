@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Mapping
-from typing import ClassVar, Final
+from typing import Final
 
 import msgspec
 
@@ -59,11 +58,8 @@ ABORT_REQUEST_TIMEOUT: Final = 480.0
 MAX_PEER_LAYOUTS: Final = 1024
 _CANCEL_KEY: Final = b"\xabcancel_reqs"  # the key as msgpack writes it: fixstr of 11 bytes
 _LEASE_KEY: Final = b"\xb2lease_transfer_ids"  # fixstr of 18 bytes
-#: The messages that are not pulls, by their key (3.1-R7): each one's decoder and handler.
-_OTHER_KINDS: Final = (
-    (_LEASE_KEY, decode_heartbeat, "_on_heartbeat"),
-    (_CANCEL_KEY, decode_cancel, "_on_cancel"),
-)
+#: The messages that are not pulls, by their key (3.1-R7), and their decoders.
+_OTHER_KINDS: Final = ((_LEASE_KEY, decode_heartbeat), (_CANCEL_KEY, decode_cancel))
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 
@@ -152,15 +148,6 @@ def _drop_unagreed_codes(reply: Reply, agreement: Agreement) -> None:
 class ProducerSession(Session[ProducerInput, ProducerOutput]):
     """One P worker's protocol state: its transfers, the pulls it serves, its layout cache."""
 
-    HANDLERS: ClassVar[Mapping[type, str]] = {
-        MessageReceived: "_on_message",
-        TransferStarted: "_on_started",
-        TransferFinished: "_on_finished",
-        TransferWillNotSend: "_on_will_not_send",
-        WriteCompleted: "_on_write_completed",
-        TimePassed: "_on_time",
-    }
-
     def __init__(self, config: ProducerConfig) -> None:
         super().__init__()
         self.config = config
@@ -210,6 +197,23 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         if t is None:
             t = self._transfers[transfer_id] = _Transfer(transfer_id)
         return t
+
+    def _dispatch(self, event: ProducerInput, now: float) -> None:
+        match event:
+            case MessageReceived():
+                self._on_message(event, now)
+            case TransferStarted():
+                self._on_started(event, now)
+            case TransferFinished():
+                self._on_finished(event, now)
+            case TransferWillNotSend():
+                self._on_will_not_send(event, now)
+            case WriteCompleted():
+                self._on_write_completed(event, now)
+            case TimePassed():
+                self._on_time(event, now)
+            case _:
+                raise TypeError(f"not an input of P's session: {event!r}")
 
     def _on_started(self, ev: TransferStarted, now: float) -> None:
         t = self._transfers.get(ev.transfer_id)
@@ -320,7 +324,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             pull = decode_pull(ev.data, max_size=limit)
         except DecodeError as exc:
             error = exc
-            for key, decode, handler in _OTHER_KINDS:
+            for key, decode in _OTHER_KINDS:
                 if key not in ev.data:
                     continue
                 try:
@@ -328,7 +332,10 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                 except DecodeError as other_error:
                     error = other_error
                     break
-                getattr(self, handler)(ev, msg, now)
+                if isinstance(msg, LeaseHeartbeat):
+                    self._on_heartbeat(ev, msg, now)
+                else:
+                    self._on_cancel(ev, msg, now)
                 return
             self._reply_error(
                 ev.identity, self._announced(ev.data), ErrorCode.BAD_MESSAGE, str(error)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Mapping
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from . import error_strings
 
@@ -26,11 +25,8 @@ def check_lease(duration: float | None) -> float | None:
 
 
 class Session(Generic[In, Out]):
-    """Subclasses name each input type's handler in ``HANDLERS`` and implement ``_timer_live``
-    and ``_fire``. A handler is looked up by name at each input, so a method replaced on the
-    class takes effect in sessions already made."""
-
-    HANDLERS: ClassVar[Mapping[type, str]] = {}
+    """Subclasses implement ``_dispatch`` (each input to its handler), ``_timer_live`` and
+    ``_fire``."""
 
     def __init__(self) -> None:
         self._timers: list[Timer] = []
@@ -41,7 +37,7 @@ class Session(Generic[In, Out]):
     def handle(self, event: In, now: float) -> list[Out]:
         """Apply ``event`` at time ``now``; return what to do, in order."""
         self._now = now
-        getattr(self, self.HANDLERS[type(event)])(event, now)
+        self._dispatch(event, now)
         while self._timers and self._timers[0][0] <= now:
             entry = heapq.heappop(self._timers)
             if self._timer_live(entry):
@@ -49,6 +45,9 @@ class Session(Generic[In, Out]):
         self._after_timers(now)
         out, self._out = self._out, []
         return out
+
+    def _dispatch(self, event: In, now: float) -> None:
+        raise NotImplementedError
 
     def next_deadline(self) -> float | None:
         """When ``handle(TimePassed(), now)`` next has something to do, if ever."""

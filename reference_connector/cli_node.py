@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -160,18 +159,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "reference_connector.worker_agents.WorkerContext (default: pdwire's own agents)",
     )
     p.add_argument(
-        "--mutant",
-        metavar="NAME",
-        default="",
-        help="start with one deliberate defect, to show a conformance case can fail "
-        "(--list-mutants names them); never for anything else",
-    )
-    p.add_argument(
-        "--mutant-control",
-        action="store_true",
-        help="serve POST /pdwire/mutant, which switches mutants on and off while the node runs",
-    )
-    p.add_argument(
         "--auth-key-file",
         metavar="PATH",
         help="sign and check every side-channel message and sign registrations with the key in "
@@ -215,20 +202,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     dp.add_argument(
         "--dp-nodes", type=int, default=1, help="how many nodes one DP rank spans (default 1)"
     )
-    p.add_argument("--list-mutants", action="store_true", help="list the mutants and exit")
     p.set_defaults(func=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the node failed, 2 on bad usage."""
-    if args.list_mutants:  # before the node's modules load: they bring torch
-        from . import mutants
-
-        for m in mutants.MUTANTS.values():
-            own = "own-proxy" if m.role == "proxy" else "own-node" if m.own_node else "switchable"
-            print(f"{m.name:<28} {m.role:<8} {own:<10} {m.defect}")
-        return 0
     from pdwire.roles import Role
 
     from .kv_content import KVShape
@@ -241,7 +220,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     role: Role = "prefill" if args.role == "prefill" else "decode"
     policy: Policy = "recompute" if args.load_failure_policy == "recompute" else "fail"
-    overrides: dict[str, Any] = {}
     try:
         key = read_key_file(args.auth_key_file) if args.auth_key_file else None
     except (OSError, ValueError) as exc:
@@ -270,14 +248,6 @@ def run(args: argparse.Namespace) -> int:
     if key is not None and args.profile == LEGACY:
         print("pdwire node: the legacy profile cannot carry auth_tag (§8.6)", file=sys.stderr)
         return 2
-    if args.mutant:
-        from . import mutants
-
-        try:
-            overrides = dict(mutants.apply_for(args.mutant, role).node)
-        except ValueError as exc:
-            print(f"pdwire node: {exc}", file=sys.stderr)
-            return 2
     if args.bootstrap:  # checked before the node's modules load: a bad address fails at once
         from . import bootstrap_client
 
@@ -307,10 +277,8 @@ def run(args: argparse.Namespace) -> int:
             abort_timeout=args.abort_timeout,
             receive_timeout=args.receive_timeout,
             kv_lease_duration=args.kv_lease_duration,
-            mutant=args.mutant,
             verify_kv=not args.no_verify_kv,
             chat_template=not args.no_chat_template,
-            mutant_control=args.mutant_control,
             prefill_delay=args.prefill_delay,
             auth_key=key,
             dp=DataParallel(
@@ -322,8 +290,6 @@ def run(args: argparse.Namespace) -> int:
                 nodes=args.dp_nodes,
             ),
         )
-        if overrides:
-            config = dataclasses.replace(config, **overrides)
         return NodeServer(config).start(port=args.port)
 
     def banner(server: NodeServer) -> str:

@@ -64,13 +64,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="bound on each completion leg (default: none, as vLLM's proxy)",
     )
-    p.add_argument(
-        "--mutant",
-        metavar="NAME",
-        default="",
-        help="start with one deliberate defect, to show a conformance case can fail "
-        "(pdwire node --list-mutants names them; role proxy); never for anything else",
-    )
     p.set_defaults(func=run)
     return p
 
@@ -86,14 +79,6 @@ def _api_key(name: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the server died, 2 on bad usage."""
-    if args.mutant:
-        from . import mutants
-
-        try:
-            mutants.apply_for(args.mutant, "proxy")
-        except ValueError as exc:
-            print(f"pdwire proxy: {exc}", file=sys.stderr)
-            return 2
 
     def start() -> ProxyServer:
         from .proxy import ProxyServer, parse_prefill

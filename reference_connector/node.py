@@ -43,7 +43,8 @@ from .kv_content import (
     next_token,
     place,
 )
-from .node_worker import WorkerError, WorkerHandle, WorkerSpec
+from .node_worker import WorkerError, WorkerHandle
+from .worker_spec import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +77,10 @@ class NodeConfig:
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
     receive_timeout: float | None = None  # decode: per pull; None = abort_timeout + 60 (3.1-R8)
     kv_lease_duration: float | None = None  # vLLM 0.34's lease (§6.4); None = no lease
-    mutant: str = ""  # applied in every worker; the front applies it itself (cli_node)
     verify_kv: bool = True  # decode: fail a load whose bytes are not the prompt's KV
     #: False: chat completions are refused, as vLLM refuses them for a model whose tokenizer has
     #: no chat template
     chat_template: bool = True
-    mutant_control: bool = False  # serve POST /pdwire/mutant (testing the harness only)
     auth_key: bytes | None = None  # §8.6: sign and check side-channel messages and registrations
     prefill_delay: float = 0.0  # prefill: seconds a remote prefill pretends to compute
     #: prefill: the engine's place in a data-parallel deployment, which decides, without
@@ -208,7 +207,6 @@ class NodeEngine:
                     abort_timeout=c.abort_timeout,
                     receive_timeout=c.receive_timeout,
                     lease=c.kv_lease_duration,
-                    mutant=c.mutant,
                     auth_key=c.auth_key,
                 )
                 self.workers.append(WorkerHandle(spec, len(self.workers), self._on_event))
@@ -243,17 +241,6 @@ class NodeEngine:
             thread.join()
         if self._bootstrap is not None:
             self._bootstrap.stop()
-
-    async def set_mutant(self, name: str) -> None:
-        """Apply mutant ``name`` ("" = none) in this process and in every worker."""
-        from . import mutants
-
-        if name:
-            m = mutants.get(name)
-            if m.role != self.config.role or m.own_node:
-                raise ValueError(f"mutant {name} needs a {m.role} node of its own")
-        mutants.apply(name)
-        await self._all("mutant", name)
 
     async def sleep(self, asleep: bool) -> None:
         """vLLM's sleep mode: every worker unregisters its KV memory (``asleep``), or registers

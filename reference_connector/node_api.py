@@ -229,19 +229,6 @@ def create_app(engine: NodeEngine) -> FastAPI:
     async def is_sleeping() -> dict[str, bool]:
         return {"is_sleeping": engine.sleeping}
 
-    if engine.config.mutant_control:
-
-        @app.post("/pdwire/mutant")
-        async def set_mutant(request: Request) -> Response:
-            """Switch the node to one mutant, or back to none (testing the harness only)."""
-            body = await request.json()
-            name = body.get("name", "") if isinstance(body, dict) else ""
-            try:
-                await engine.set_mutant(str(name or ""))
-            except (KeyError, ValueError) as exc:
-                return _error(NodeError(409, str(exc.args[0]), "ConflictError"))
-            return JSONResponse({"mutant": name or None})
-
     async def complete(request: Request, chat: bool) -> Response:
         try:
             body = await request.json()

@@ -1,6 +1,6 @@
-"""A node's worker processes, one per (tp_rank, pp_rank): what each is started with, and the
-front's handles on them (the process itself is ``worker_process``, which loads torch; the front
-does not).
+"""A node's worker processes, one per (tp_rank, pp_rank): the front's handles on them (what each
+is started with is ``worker_spec``; the process itself is ``worker_process``, which loads torch;
+the front does not).
 
 Each worker (started with multiprocessing spawn) holds its ``KVPool`` and its agent
 (``worker_agents``: by default a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent`` on a
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -28,62 +27,12 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from pdwire.messages import KV_LAYOUT_NAMES, Fingerprint
-from pdwire.roles import Role
-from pdwire.versions import PDWIRE_2, Profile
-
-from .kv_content import KVShape
+from .worker_spec import POLL_S, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
 #: ``on_event(worker_index, name, args)``, on the handle's reader thread.
 OnEvent = Callable[[int, str, tuple[Any, ...]], None]
-POLL_S = 0.5  # how often a pipe reader looks up from its pipe
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs (picklable)."""
-
-    role: Role
-    shape: KVShape
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    engine_id: str
-    bootstrap_url: str
-    dp_rank: int = 0  # the dp_rank P's workers register (4.4-R16)
-    host: str = "127.0.0.1"
-    register_timeout: float = 30.0  # each HTTP phase of a registration attempt (4.4-R1)
-    profile: Profile = PDWIRE_2
-    model: str = "pdwire-synthetic"
-    start_timeout: float = 120.0
-    log_level: int = logging.INFO
-    agent: str = ""  # MODULE:CALLABLE of the agent factory; "" = pdwire's own (worker_agents)
-    abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
-    receive_timeout: float | None = None  # D, per pull; None = abort_timeout + 60 (3.1-R8)
-    lease: float | None = None  # kv_lease_duration, P and D (§6.4); None = no lease
-    mutant: str = ""  # a deliberate defect, for testing the conformance harness (mutants)
-    auth_key: bytes | None = None  # the shared key of §8.6
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-tp{self.tp_rank}-pp{self.pp_rank}"
-
-    def fingerprint(self) -> Fingerprint | None:
-        if self.profile != PDWIRE_2:
-            return None
-        s = self.shape
-        return Fingerprint(
-            model=self.model,
-            dtype=s.dtype,
-            num_layers=s.num_layers,
-            num_kv_heads=s.num_kv_heads,
-            head_size=s.head_dim,
-            block_size=s.block_size,
-            kv_layout=KV_LAYOUT_NAMES[s.kv_layout],
-        )
 
 
 # -- the front's handle ----------------------------------------------------------------------

@@ -3,8 +3,7 @@
 By default that is pdwire's own (``ReferenceAgent``: a ``ProducerAgent`` or ``ConsumerAgent``
 over a ``MooncakeTransport``). A node can host another implementation's worker code instead,
 named as ``MODULE:CALLABLE`` (``--agent``): the callable takes the ``WorkerContext`` and returns
-an ``Agent``. That is how the engine node serves as a testee for a foreign P or D, and how the
-conformance mutants (``reference_connector.mutants``) run.
+an ``Agent``. That is how the engine node serves as a testee for a foreign P or D.
 
 An agent reports what happened through ``WorkerContext.emit``: ``("event", "free", p_req_id,
 reason)`` and ``("event", "reject", p_req_id, code, message)`` on P; ``("event", "loaded",
@@ -31,7 +30,7 @@ from .producer_agent import ProducerAgent
 from .transport import MooncakeTransport
 
 if TYPE_CHECKING:
-    from .node_worker import WorkerSpec
+    from .worker_spec import WorkerSpec
 
 #: The agent a spec with ``agent == ""`` gets.
 REFERENCE: Final = "reference_connector.worker_agents:reference_agent"

@@ -15,8 +15,8 @@ from pdwire.events import LoadRequest, RequestQueued
 
 from .kv_content import BlockTable, ContextDigest
 from .kv_pool import KVPool
-from .node_worker import POLL_S, WorkerSpec
 from .worker_agents import Agent, WorkerContext, load_factory
+from .worker_spec import POLL_S, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +157,6 @@ class _Worker:
         step()
         return True
 
-    def op_mutant(self, name: str) -> None:
-        from . import mutants
-
-        mutants.apply(name)
-
     def op_stats(self) -> dict[str, Any]:
         s = self.spec
         stats: dict[str, Any] = {
@@ -188,10 +183,6 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
     )
-    if spec.mutant:
-        from . import mutants
-
-        mutants.apply(spec.mutant)
     worker = _Worker(spec, conn)
     try:
         try:

@@ -17,7 +17,6 @@ from .consumer_env import ConsumerCtx, consumer_case
     "consumer/8.6/1",
     "8.6-R5",
     covers=("3.2-R19", "8.6-R1", "8.6-R2", "8.6-R3", "8.6-R4", "8.6-R9"),
-    caught_by=("d-unsigned-pull",),
 )
 async def pulls_are_signed(t: ConsumerCtx) -> None:
     """A D with a key announces `auth` and signs every pull to a pdwire/2 P: its `auth_tag` is
@@ -45,7 +44,6 @@ async def pulls_are_signed(t: ConsumerCtx) -> None:
     "consumer/8.6/2",
     "8.6-R8",
     covers=("8.6-R6",),
-    caught_by=("d-ignores-reply-tag",),
 )
 async def reply_with_a_bad_tag_fails_the_request(t: ConsumerCtx) -> None:
     """A FINISH listing the request, its bytes written, fails the request when its `auth_tag`

@@ -26,7 +26,6 @@ def _expect_reason(t: ConsumerCtx, got: HttpResult, fake: FakeP, bootstrap: str)
     "consumer/4.2/1",
     "4.2-R4",
     covers=("4.4-R17",),
-    caught_by=("recompute", "first-engine-entry"),
 )
 async def unknown_engine_fails_at_once(t: ConsumerCtx) -> None:
     """When the bootstrap server has no entry with the request's remote_engine_id, D queries it
@@ -49,7 +48,6 @@ async def unknown_engine_fails_at_once(t: ConsumerCtx) -> None:
     "consumer/4.2/2",
     "4.2-R3",
     covers=("4.2-R1", "4.2-R2", "4.4-R17"),
-    caught_by=("first-engine-entry",),
 )
 async def pulls_from_its_own_engine(t: ConsumerCtx) -> None:
     """Of several engines in the /query reply, D pulls from the workers of the one the request
@@ -73,7 +71,6 @@ async def pulls_from_its_own_engine(t: ConsumerCtx) -> None:
     "4.2-R8",
     covers=("4.2-R7", "4.2-R9"),
     risk=7,
-    caught_by=("infers-tp-from-entry",),
 )
 async def incomplete_entry_is_not_used(t: ConsumerCtx) -> None:
     """D does not use an entry that lacks a worker its tp_size promises (a P of TP 2 whose rank 1
@@ -102,7 +99,6 @@ async def incomplete_entry_is_not_used(t: ConsumerCtx) -> None:
     "4.2-R12",
     risk=7,
     timeout=900.0,
-    caught_by=("caches-engine-forever",),
 )
 async def queries_again_after_a_timeout(t: ConsumerCtx) -> None:
     """After a pull failed by receive timeout (P restarted on new ports under the same engine
@@ -123,7 +119,10 @@ async def queries_again_after_a_timeout(t: ConsumerCtx) -> None:
     expect(len(fake.queries) > queried, "D did not query the bootstrap server again")
 
 
-@consumer_case("consumer/4.3/1", "4.3-R2", caught_by=("requires-health",))
+@consumer_case(
+    "consumer/4.3/1",
+    "4.3-R2",
+)
 async def no_health_route_needed(t: ConsumerCtx) -> None:
     """D loads from a P whose bootstrap server has no GET /health (vLLM's has none)."""
     fake = await t.fake_p(health=False)
@@ -132,7 +131,10 @@ async def no_health_route_needed(t: ConsumerCtx) -> None:
     t.expect_decoded(await leg.result())
 
 
-@consumer_case("consumer/4.4/1", "4.4-R9", caught_by=("query-per-request",))
+@consumer_case(
+    "consumer/4.4/1",
+    "4.4-R9",
+)
 async def concurrent_queries_share_one(t: ConsumerCtx) -> None:
     """Two requests for an engine D does not know yet, sent together while the bootstrap server
     is slow, cost one GET /query per D worker: the second waits for the first one's answer."""
@@ -149,7 +151,11 @@ async def concurrent_queries_share_one(t: ConsumerCtx) -> None:
     )
 
 
-@consumer_case("consumer/4.4/2", "4.4-R10", covers=("4.4-R7",), caught_by=("recompute",))
+@consumer_case(
+    "consumer/4.4/2",
+    "4.4-R10",
+    covers=("4.4-R7",),
+)
 async def unreachable_bootstrap_fails(t: ConsumerCtx) -> None:
     """When D cannot reach the bootstrap server at all, it fails the request soon, with the
     reason of 4.2-R4."""

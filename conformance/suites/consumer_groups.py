@@ -10,7 +10,10 @@ from ..case import Unsupported, expect, expect_equal
 from .consumer_env import ConsumerCtx, consumer_case
 
 
-@consumer_case("consumer/10.4/1", "10.4.7", caught_by=("d-window-unclipped",))
+@consumer_case(
+    "consumer/10.4/1",
+    "10.4.7",
+)
 async def window_group_lists_its_last_blocks(t: ConsumerCtx) -> None:
     """With a sliding window over its KV-cache group 1, D's pull lists every block of the
     prompt in group 0 and only the last ceil(window / block_size) + 1 of them in group 1; D
@@ -46,7 +49,10 @@ async def window_group_lists_its_last_blocks(t: ConsumerCtx) -> None:
     t.expect_decoded(got)
 
 
-@consumer_case("consumer/10.10/5", "10.10.7", caught_by=("ignores-err-reqs",))
+@consumer_case(
+    "consumer/10.10/5",
+    "10.10.7",
+)
 async def a_failure_fails_every_group(t: ConsumerCtx) -> None:
     """With more than one KV-cache group, a request P lists in err_reqs after it wrote every
     block of every group fails whole, an HTTP error under the default load-failure policy: no

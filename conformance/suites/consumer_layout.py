@@ -57,7 +57,10 @@ def _layout_id_of(pull: XferMetadata) -> int:
     return pull.layout_id
 
 
-@consumer_case("consumer/3.7/3", "3.7-R3", caught_by=("new-layout-on-wake",))
+@consumer_case(
+    "consumer/3.7/3",
+    "3.7-R3",
+)
 async def layout_id_kept_through_sleep(t: ConsumerCtx) -> None:
     """D put to sleep and woken registers the same memory again: while its layout keeps the
     same addresses, its pulls keep the same layout_id (a new one only for new addresses)."""
@@ -81,7 +84,6 @@ async def layout_id_kept_through_sleep(t: ConsumerCtx) -> None:
     "3.7-R2",
     covers=("3.7-R5",),
     timeout=300.0,  # two starts of D, each bounded by D_START_S
-    caught_by=("layout-id-of-engine",),
 )
 async def restart_mints_a_new_layout_id(t: ConsumerCtx) -> None:
     """A D started twice from the same command (the same engine id, where the command sets

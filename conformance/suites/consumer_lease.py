@@ -51,7 +51,6 @@ def renewals_after(fake: FakeP, leg: Leg, t0: float) -> list[Received]:
     "consumer/6.4/1",
     "6.4-R7",
     covers=("6.4-R6", "3.9-R1", "3.9-R2", "3.9-R4"),
-    caught_by=("d-renews-every-lease", "d-renews-one-worker", "d-renews-after-settle"),
 )
 async def renews_every_paired_worker_until_settled(t: ConsumerCtx) -> None:
     """While a fake P of TP 2 holds D's pulls for 3.5 L/6, each of its workers gets a renewal
@@ -88,7 +87,6 @@ async def renews_every_paired_worker_until_settled(t: ConsumerCtx) -> None:
     "consumer/6.4/2",
     "6.4-R6",
     covers=("6.4-R9",),
-    caught_by=("d-renews-at-load-only", "d-renews-after-release"),
 )
 async def renews_while_queued_and_stops_after_release(t: ConsumerCtx) -> None:
     """A request that D holds back for want of blocks is renewed from its arrival, before any
@@ -123,7 +121,6 @@ async def renews_while_queued_and_stops_after_release(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/3.9/1",
     "3.9-R7",
-    caught_by=("d-fails-on-refused-renewal",),
 )
 async def refused_renewals_fail_nothing(t: ConsumerCtx) -> None:
     """Two fake P's, one that answers renewals ERROR (a P without a lease) and one that never

@@ -14,7 +14,6 @@ from .consumer_pull import V2_PULL_KEYS
     "consumer/8.2/1",
     "8.2-R3",
     covers=("8.3-R1",),
-    caught_by=("ignores-legacy-reply", "announces-to-legacy"),
 )
 async def legacy_reply_makes_p_legacy(t: ConsumerCtx) -> None:
     """A D that announced to a P its /query entry shows as pdwire/2, and got a reply without
@@ -35,7 +34,11 @@ async def legacy_reply_makes_p_legacy(t: ConsumerCtx) -> None:
     expect(not extra, f"after P answered as legacy, D's next pull still carries {sorted(extra)}")
 
 
-@consumer_case("consumer/8.2/2", "8.2-R2", covers=("8.3-R1",), caught_by=("ignores-reply-version",))
+@consumer_case(
+    "consumer/8.2/2",
+    "8.2-R2",
+    covers=("8.3-R1",),
+)
 async def reply_beats_query_entry(t: ConsumerCtx) -> None:
     """What a P worker's latest reply shows beats its /query entry: to a P registered as legacy
     that answered with pdwire_version 2, a pdwire/2 D announces in its next pull."""
@@ -61,7 +64,6 @@ async def reply_beats_query_entry(t: ConsumerCtx) -> None:
     "8.4-R4",
     covers=("3.5-R1", "8.3-R3", "7.3-R2"),
     risk=10,
-    caught_by=("cancel-to-any",),
 )
 async def no_cancel_unless_agreed(t: ConsumerCtx) -> None:
     """D sends no XferCancel to a P that did not announce cancel, even when it gives up on a
@@ -81,7 +83,11 @@ async def no_cancel_unless_agreed(t: ConsumerCtx) -> None:
         t.expect_failed(got, "a request whose deadline passed before P answered")
 
 
-@consumer_case("consumer/8.1/1", "8.1-R2", covers=("8.2-R5",), caught_by=("newer-p-is-legacy",))
+@consumer_case(
+    "consumer/8.1/1",
+    "8.1-R2",
+    covers=("8.2-R5",),
+)
 async def newer_p_gets_d_own_version(t: ConsumerCtx) -> None:
     """To a P that announces a later wire version (3) and a capability D does not know, a
     pdwire/2 D speaks pdwire/2: it announces its own version, and loads."""

@@ -19,7 +19,6 @@ APART = 0.3  # seconds between the answers of two P ranks
     "consumer/10.1/1",
     "10.1.2",
     covers=("10.1.5", "10.10.1", "10.10.3"),
-    caught_by=("pulls-one-tp-rank",),
 )
 async def pulls_every_paired_tp_rank(t: ConsumerCtx) -> None:
     """With a P of TP 2, each D rank pulls from exactly the P ranks target_ranks pairs it with,
@@ -48,7 +47,6 @@ async def pulls_every_paired_tp_rank(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/10.1/2",
     "10.1.1",
-    caught_by=("tp-pairs-unchecked",),
 )
 async def no_pull_when_the_tp_sizes_do_not_divide(t: ConsumerCtx) -> None:
     """With a P whose TP size neither divides D's nor is a multiple of it (D's TP plus one, for a
@@ -77,7 +75,6 @@ async def no_pull_when_the_tp_sizes_do_not_divide(t: ConsumerCtx) -> None:
     "10.2.2",
     covers=("10.2.3", "9.2-R2"),
     risk=5,
-    caught_by=("pulls-own-stage-only",),
 )
 async def pulls_every_p_stage(t: ConsumerCtx) -> None:
     """With a P of PP 2, a D whose PP size differs pulls from both P stages (one of the same PP
@@ -98,7 +95,6 @@ async def pulls_every_p_stage(t: ConsumerCtx) -> None:
     "consumer/10.10/3",
     "10.10.2",
     covers=("10.10.3", "10.10.4", "10.10.5"),
-    caught_by=("first-reply-completes",),
 )
 async def answers_once_every_pull_settled(t: ConsumerCtx) -> None:
     """D answers a request only when every pull for it settled: from a P of TP 2 whose ranks

@@ -23,7 +23,6 @@ V2_PULL_KEYS: Final = frozenset(
     "consumer/3.1/1",
     "3.1-R2",
     covers=("3.1-R3", "5.2-R3"),
-    caught_by=("reuses-dealer", "pull-with-delimiter"),
 )
 async def each_pull_on_a_new_dealer(t: ConsumerCtx) -> None:
     """Each pull comes on a new DEALER as one frame, and nothing more follows on that socket."""
@@ -52,7 +51,6 @@ async def each_pull_on_a_new_dealer(t: ConsumerCtx) -> None:
     "consumer/3.2/1",
     "3.2-R4",
     covers=("3.2-R1", "3.2-R2", "3.2-R8", "3.2-R10", "3.7-R1", "3.8-R3"),
-    caught_by=("short-block-list", "flat-block-lists"),
 )
 async def pull_names_the_prompt_blocks(t: ConsumerCtx) -> None:
     """D's pull maps its request to the transfer_id it was given and one list of block ids per
@@ -108,7 +106,11 @@ async def pull_names_the_prompt_blocks(t: ConsumerCtx) -> None:
     t.expect_decoded(await leg.result())
 
 
-@consumer_case("consumer/3.2/2", "3.2-R11", covers=("10.2.5",), caught_by=("omits-remote-pp-size",))
+@consumer_case(
+    "consumer/3.2/2",
+    "3.2-R11",
+    covers=("10.2.5",),
+)
 async def remote_pp_size_of_a_staged_d(t: ConsumerCtx) -> None:
     """A D of several PP stages says so in remote_pp_size (a D of one stage sends 1); together
     its stages' pulls name every layer of the model."""
@@ -158,7 +160,6 @@ async def remote_pp_size_of_a_staged_d(t: ConsumerCtx) -> None:
     "consumer/3.2/3",
     "3.2-R12",
     covers=("3.2-R13", "3.4-R4", "3.7-R4", "3.7-R6", "9.3-R2", "3.8-R4"),
-    caught_by=("omits-layout-unechoed",),
 )
 async def layout_until_echoed(t: ConsumerCtx) -> None:
     """D carries its layout in every pull to a P worker until that worker echoed D's layout_id
@@ -200,7 +201,6 @@ async def layout_until_echoed(t: ConsumerCtx) -> None:
     "consumer/3.2/4",
     "3.2-R20",
     covers=("8.4-R1", "8.2-R3", "8.3-R1", "4.2-R11", "5.3-R4"),
-    caught_by=("announces-to-legacy",),
 )
 async def legacy_pull_to_a_legacy_p(t: ConsumerCtx) -> None:
     """To a P whose /query entry has no pdwire_version (a legacy P), D's pull carries no pdwire/2
@@ -220,7 +220,6 @@ async def legacy_pull_to_a_legacy_p(t: ConsumerCtx) -> None:
     "3.2-R14",
     covers=("3.2-R16", "3.2-R20", "8.5-R2"),
     risk=9,
-    caught_by=("no-fingerprint",),
 )
 async def announcing_pulls(t: ConsumerCtx) -> None:
     """A D that announces to a pdwire/2 P does so in every pull, with its capabilities by their

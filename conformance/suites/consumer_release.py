@@ -103,7 +103,6 @@ async def release_only_after_abort(
 @consumer_case(
     "consumer/10.10/4",
     "10.10.8",
-    caught_by=("no-release-on-abort",),
 )
 async def release_only_for_an_abort_before_allocation(t: ConsumerCtx) -> None:
     """D is filled with requests whose pulls the fake P holds unanswered, until a request gets

@@ -14,7 +14,6 @@ from .pair_env import PROMPTS, PairCtx
     "pair/8.3/1",
     "8.3-R1",
     covers=("3.2-R20", "8.4-R1", "4.2-R11", "8.2-R2", "8.2-R3", "3.2-R14"),
-    caught_by=("d-announces-to-legacy",),
 )
 async def d_speaks_legacy_to_a_legacy_p(t: PairCtx) -> None:
     """To a P whose /query entry shows it legacy, D sends pulls with no pdwire/2 field; to a P
@@ -38,7 +37,6 @@ async def d_speaks_legacy_to_a_legacy_p(t: PairCtx) -> None:
     "pair/8.4/1",
     "8.4-R3",
     covers=("3.4-R6", "7.2-R2", "7.2-R3", "8.1-R1", "3.2-R15"),
-    caught_by=("v2-to-legacy",),
 )
 async def p_answers_legacy_to_a_legacy_d(t: PairCtx) -> None:
     """P's replies to a pull that did not announce pdwire/2 carry no pdwire/2 field (no version,
@@ -53,7 +51,11 @@ async def p_answers_legacy_to_a_legacy_d(t: PairCtx) -> None:
         t.expect_served(x)
 
 
-@case("pair/3.4/3", "3.4-R7", covers=("8.2-R4",), caught_by=("p-mute-version",))
+@case(
+    "pair/3.4/3",
+    "3.4-R7",
+    covers=("8.2-R4",),
+)
 async def p_announces_to_an_announcing_d(t: PairCtx) -> None:
     """A pdwire/2 P answers every pull that announced pdwire/2 with its own version and
     capabilities."""
@@ -72,7 +74,6 @@ async def p_announces_to_an_announcing_d(t: PairCtx) -> None:
     "pair/9.3/1",
     "9.3-R2",
     covers=("3.2-R12", "3.2-R13", "3.7-R6", "3.4-R3", "3.4-R4"),
-    caught_by=("d-skips-layout",),
 )
 async def layout_omitted_only_after_echo(t: PairCtx) -> None:
     """D omits its layout from a pull only to a P worker that has echoed its layout_id; P's

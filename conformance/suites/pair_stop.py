@@ -64,7 +64,6 @@ async def _check_answers(t: PairCtx, x: Exchange, bound: float) -> None:
     "10.11.1",
     covers=("7.2-R5", "7.2-R6", "7.2-R7", "7.1-R3", "9.3-R3", "7.2-R3"),
     risk=1,
-    caught_by=("p-stall-on-stop",),
 )
 async def stop_token_first_is_answered_at_once(t: PairCtx) -> None:
     """When the only token P generates is a stop token, P answers every pull for the transfer at

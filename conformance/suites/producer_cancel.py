@@ -26,7 +26,6 @@ WRITE_WATCH_S: Final = 1.0
     "producer/3.5/1",
     "3.5-R12",
     covers=("3.5-R7", "3.5-R8", "3.5-R9", "3.5-R13", "3.1-R7", "10.11.2", "7.1-R4"),
-    caught_by=("cancel-ignored", "cancel-lists-all"),
     risk=10,
 )
 async def cancel_ends_a_waiting_pull(t: ProducerCtx) -> None:
@@ -60,7 +59,6 @@ async def cancel_ends_a_waiting_pull(t: ProducerCtx) -> None:
     "producer/3.5/2",
     "3.5-R15",
     covers=("3.5-R14", "10.3.5", "3.5-R9"),
-    caught_by=("cancel-not-counted",),
 )
 async def cancel_counts_as_settled(t: ProducerCtx) -> None:
     """With D's TP twice P's, one paired D rank pulls and the other cancels: the transfer is
@@ -78,7 +76,10 @@ async def cancel_counts_as_settled(t: ProducerCtx) -> None:
         await expect_settled(t, h, QUICK, "every paired D rank pulled or cancelled")
 
 
-@case("producer/3.5/3", "3.5-R11", caught_by=("writes-after-cancel",))
+@case(
+    "producer/3.5/3",
+    "3.5-R11",
+)
 async def no_write_after_a_cancel(t: ProducerCtx) -> None:
     """A pull waits for a transfer P has not prefilled yet, and D cancels it at every P worker
     it pairs with: the pull ends with the request cancelled. P then prefills the transfer; it

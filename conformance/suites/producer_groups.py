@@ -40,7 +40,11 @@ def _expect_group_one_kept(loaded: Loaded, kept: int) -> None:
         )
 
 
-@case("producer/10.4/4", "10.4.7", covers=("10.6.4",), caught_by=("window-unclipped",))
+@case(
+    "producer/10.4/4",
+    "10.4.7",
+    covers=("10.6.4",),
+)
 async def window_group_carries_its_last_blocks(t: ProducerCtx) -> None:
     """With a sliding-window KV-cache group, a D that lists every block of the prompt in the
     full-attention group and only the last ceil(window / block_size) + 1 in the window group
@@ -82,7 +86,10 @@ async def window_group_carries_its_last_blocks(t: ProducerCtx) -> None:
             w.give_back(blocks)
 
 
-@case("producer/10.6/3", "10.6.3", caught_by=("keeps-null-blocks",))
+@case(
+    "producer/10.6/3",
+    "10.6.3",
+)
 async def state_space_null_blocks_are_placeholders(t: ProducerCtx) -> None:
     """With a KV-cache group of state-space layers, a D that lists there its state block after
     a null block (id 0) for each earlier block of the prompt gets the state written, and
@@ -115,7 +122,11 @@ async def state_space_null_blocks_are_placeholders(t: ProducerCtx) -> None:
             w.give_back(blocks)
 
 
-@case("producer/10.6/4", "10.6.7", covers=("10.7.3",), caught_by=("shared-region-one-group",))
+@case(
+    "producer/10.6/4",
+    "10.6.7",
+    covers=("10.7.3",),
+)
 async def shared_region_takes_every_group(t: ProducerCtx) -> None:
     """With a region P's two KV-cache groups share (group -1: a packed row registered whole), a
     D whose shared region lists other blocks for each group gets every one of them written,

@@ -52,7 +52,6 @@ def expect_unanswered(pull: asyncio.Task[PullResult], when: str) -> None:
     "producer/3.5/4",
     "3.5-R10",
     covers=("3.4-R1",),
-    caught_by=("cancel-reply-in-flight",),
 )
 async def cancel_waits_for_the_write(t: ProducerCtx) -> None:
     """A cancel of a request whose write to this D worker is in flight is answered only once
@@ -100,7 +99,6 @@ async def cancel_waits_for_the_write(t: ProducerCtx) -> None:
     "6.3-R1",
     covers=("10.9.2", "3.4-R1"),
     timeout=40.0,
-    caught_by=("expires-in-flight",),
 )
 async def no_expiry_while_writing(t: ProducerCtx) -> None:
     """A transfer whose write to the first of its two paired D ranks is held in flight past T

@@ -6,7 +6,11 @@ from ..case import Unsupported, case
 from .producer_env import ProducerCtx
 
 
-@case("producer/10.6/2", "10.6.6", covers=("10.8.12",), caught_by=("blocks-as-kernel-blocks",))
+@case(
+    "producer/10.6/2",
+    "10.6.6",
+    covers=("10.8.12",),
+)
 async def block_ids_stand_for_kernel_blocks(t: ProducerCtx) -> None:
     """With q kernel blocks per block, each block D asks for, scattered over its memory, gets
     every one of its q rows written in every region, and nothing between them changes."""

@@ -33,7 +33,6 @@ def miss_message(worker: DWorker, layout_id: int) -> str:
     "producer/3.7/1",
     "3.7-R11",
     covers=("3.7-R10", "3.4-R15", "3.4-R8", "7.1-R1", "3.3-R2"),
-    caught_by=("miss-as-error",),
 )
 async def miss_for_unknown_layout(t: ProducerCtx) -> None:
     """A pull that omits its layout under a layout_id P never saw gets LAYOUT_MISS, its only
@@ -71,7 +70,6 @@ async def miss_for_unknown_layout(t: ProducerCtx) -> None:
     "producer/3.3/1",
     "3.3-R2",
     covers=("8.4-R5", "9.3-R1", "3.7-R12"),
-    caught_by=("miss-on-zero-layout",),
 )
 async def miss_only_to_layout_cache_users(t: ProducerCtx) -> None:
     """No LAYOUT_MISS to a pull with layout_id 0, even one without a layout (a vLLM 0.32 D
@@ -117,7 +115,6 @@ async def served_with_layout(
     "producer/3.7/2",
     "3.7-R12",
     covers=("3.7-R10", "3.4-R3", "3.2-R13", "3.3-R2"),
-    caught_by=("no-layout-cache", "no-layout-echo"),
 )
 async def cached_layout_is_reused(t: ProducerCtx) -> None:
     """A layout sent with a nonzero layout_id is echoed and kept: a later pull that omits it
@@ -129,7 +126,10 @@ async def cached_layout_is_reused(t: ProducerCtx) -> None:
     await served_with_layout(t, worker, 0)
 
 
-@case("producer/3.7/4", "3.7-R16", caught_by=("layout-cache-cleared-on-error",))
+@case(
+    "producer/3.7/4",
+    "3.7-R16",
+)
 async def cache_outlives_errors(t: ProducerCtx) -> None:
     """Nothing but registering its own KV caches clears P's layout cache: after P answered
     ERROR to a pull it could not decode and to one whose layout it could not align (under
@@ -156,7 +156,11 @@ async def cache_outlives_errors(t: ProducerCtx) -> None:
     await served_with_layout(t, worker, layout_id, with_layout=False)
 
 
-@case("producer/3.7/3", "3.7-R9", covers=("3.7-R11",), caught_by=("layout-key-by-id",))
+@case(
+    "producer/3.7/3",
+    "3.7-R9",
+    covers=("3.7-R11",),
+)
 async def cache_key_has_six_fields(t: ProducerCtx) -> None:
     """A cached layout is found only under its whole key: a pull that omits its layout and
     differs from the caching pull in remote_hostname, remote_port, remote_tp_rank,

@@ -76,7 +76,6 @@ async def expect_expired_at_once(t: ProducerCtx, tid: str, what: str) -> None:
     "6.4-R2",
     covers=("3.9-R5",),
     timeout=30.0,
-    caught_by=("renewal-ignored",),
 )
 async def renewal_extends_the_lease(t: ProducerCtx) -> None:
     """A transfer renewed at L/2 and at L by heartbeats to every P worker is still served at
@@ -100,7 +99,6 @@ async def renewal_extends_the_lease(t: ProducerCtx) -> None:
     "6.4-R1",
     covers=("6.4-R5", "7.1-R1"),
     timeout=30.0,
-    caught_by=("lease-as-abort-timeout", "forgets-expired", "never-expires"),
 )
 async def lease_ends_and_a_late_pull_is_answered_at_once(t: ProducerCtx) -> None:
     """Two transfers nobody renews: the one pulled at 0.8 L is served; the one pulled at L
@@ -120,7 +118,6 @@ async def lease_ends_and_a_late_pull_is_answered_at_once(t: ProducerCtx) -> None
     "producer/6.4/3",
     "6.4-R3",
     timeout=30.0,
-    caught_by=("renewal-creates-transfer",),
 )
 async def renewal_creates_nothing(t: ProducerCtx) -> None:
     """A heartbeat naming a transfer whose lease ended and one P never saw gets FINISH and makes
@@ -138,7 +135,6 @@ async def renewal_creates_nothing(t: ProducerCtx) -> None:
     "producer/6.4/4",
     "6.4-R4",
     covers=("3.9-R5", "7.1-R1"),
-    caught_by=("renewal-without-lease",),
 )
 async def no_lease_refuses_renewals(t: ProducerCtx) -> None:
     """A P without a lease answers a heartbeat with one ERROR: "kv_lease_duration is not set on
@@ -156,7 +152,6 @@ async def no_lease_refuses_renewals(t: ProducerCtx) -> None:
     "producer/3.9/1",
     "3.9-R5",
     covers=("3.9-R6",),
-    caught_by=("heartbeat-unanswered",),
 )
 async def heartbeat_answered_once(t: ProducerCtx) -> None:
     """A P with a lease answers a heartbeat with exactly one FINISH, without waiting for the
@@ -181,7 +176,6 @@ async def heartbeat_answered_once(t: ProducerCtx) -> None:
     "producer/3.9/2",
     "3.9-R3",
     covers=("7.3-R1",),
-    caught_by=("empty-heartbeat-accepted",),
 )
 async def malformed_heartbeats_are_errors(t: ProducerCtx) -> None:
     """Heartbeats naming no transfer, a transfer_id that is not a string, or a string instead of

@@ -43,7 +43,6 @@ async def _expect_refused_across_pp(
     "producer/10.2/2",
     "10.2.8",
     covers=("7.1-R1",),
-    caught_by=("packed-rows-across-pp",),
 )
 async def packed_rows_across_pp_sizes(t: ProducerCtx) -> None:
     """A D of one PP stage more than P whose first region is an opaque packed row gets ERROR
@@ -60,7 +59,11 @@ async def packed_rows_across_pp_sizes(t: ProducerCtx) -> None:
             t.release(loaded)
 
 
-@case("producer/10.2/4", "10.2.8", covers=("7.1-R1",), caught_by=("packed-rows-across-pp",))
+@case(
+    "producer/10.2/4",
+    "10.2.8",
+    covers=("7.1-R1",),
+)
 async def own_opaque_rows_across_pp_sizes(t: ProducerCtx) -> None:
     """A P whose packed rows are registered whole answers ERROR with message #2 to a D of one
     PP stage more, though D's own regions are no packed rows."""
@@ -69,7 +72,11 @@ async def own_opaque_rows_across_pp_sizes(t: ProducerCtx) -> None:
     await _expect_refused_across_pp(t, "no packed rows", lambda w: [-1] * len(w.regions))
 
 
-@case("producer/10.7/3", "10.7.8", covers=("10.7.6",), caught_by=("widens-packed-rows",))
+@case(
+    "producer/10.7/3",
+    "10.7.8",
+    covers=("10.7.6",),
+)
 async def packed_slices_are_not_widened(t: ProducerCtx) -> None:
     """With P's regions slices of packed rows, a D of one PP stage more than P, its rows packed
     too (each holding fewer layers than P's), gets each layer it holds in that layer's slice of

@@ -110,7 +110,6 @@ async def load_like_control(t: ProducerCtx, **load: Any) -> None:
     "producer/10.8/1",
     "10.8.5",
     covers=("10.8.6", "10.8.12", "10.8.14", "10.1.3", "10.3.1", "9.2-R1", "3.6-R2"),
-    caught_by=("no-shard-offsets", "wrong-offset", "coalesces-slices"),
 )
 async def d_tp_larger(t: ProducerCtx) -> None:
     """A D of twice P's TP, announcing P's fingerprint where P speaks pdwire/2, gets on each
@@ -122,7 +121,6 @@ async def d_tp_larger(t: ProducerCtx) -> None:
     "producer/10.8/2",
     "10.8.3",
     covers=("10.8.4", "10.8.12", "10.8.14", "10.1.3", "10.3.1", "9.2-R1", "9.1-R3"),
-    caught_by=("no-shard-offsets", "wrong-offset", "coalesces-slices"),
 )
 async def d_tp_smaller(t: ProducerCtx) -> None:
     """A D of TP 1 gets every P rank's heads, each at its offset of D's block."""
@@ -131,7 +129,11 @@ async def d_tp_smaller(t: ProducerCtx) -> None:
     await load_like_control(t, d_tp=1)
 
 
-@case("producer/10.8/6", "10.8.14", covers=("10.8.12",), caught_by=("runs-by-source-only",))
+@case(
+    "producer/10.8/6",
+    "10.8.14",
+    covers=("10.8.12",),
+)
 async def scattered_d_blocks(t: ProducerCtx) -> None:
     """D asks for every other one of its free blocks: each gets its own block's bytes, and the
     blocks between them stay untouched, whether or not P's own block ids are consecutive."""
@@ -142,7 +144,6 @@ async def scattered_d_blocks(t: ProducerCtx) -> None:
     "producer/10.8/4",
     "10.8.9",
     covers=("10.8.10", "10.8.5", "10.8.14", "10.3.1"),
-    caught_by=("no-shard-offsets", "coalesces-slices"),
 )
 async def d_tp_above_kv_heads(t: ProducerCtx) -> None:
     """A D whose TP is twice the model's KV heads (two D ranks hold each head) gets on each
@@ -192,7 +193,6 @@ async def staged(
     "producer/10.3/1",
     "10.3.1",
     covers=("10.9.1", "10.3.3", "10.1.3", "10.4.3"),
-    caught_by=("early-free",),
 )
 async def every_paired_d_rank_is_served(t: ProducerCtx) -> None:
     """With D's TP twice P's, each P rank keeps its blocks until both of its D ranks pulled:
@@ -212,7 +212,6 @@ async def every_paired_d_rank_is_served(t: ProducerCtx) -> None:
     "producer/10.2/1",
     "10.2.7",
     covers=("10.7.6", "10.3.1", "9.2-R2"),
-    caught_by=("pp-aligns-exact",),
 )
 async def d_pp_larger(t: ProducerCtx) -> None:
     """A D with one stage more than P: each D stage pulls P and gets only the layers it holds,
@@ -232,7 +231,9 @@ def written_regions(worker: DWorker, blocks: list[int]) -> tuple[set[Key], set[K
 
 
 @case(
-    "producer/10.2/3", "10.2.1", covers=("10.2.7", "10.3.1"), caught_by=("pp-serves-every-layer",)
+    "producer/10.2/3",
+    "10.2.1",
+    covers=("10.2.7", "10.3.1"),
 )
 async def each_p_stage_serves_its_own_layers(t: ProducerCtx) -> None:
     """With a P of several PP stages, a D of one stage pulls each stage into blocks of their
@@ -276,7 +277,11 @@ async def each_p_stage_serves_its_own_layers(t: ProducerCtx) -> None:
             worker.give_back(blocks)
 
 
-@case("producer/10.8/5", "10.8.7", covers=("10.8.8", "10.3.1"), caught_by=("replicas-all-write",))
+@case(
+    "producer/10.8/5",
+    "10.8.7",
+    covers=("10.8.8", "10.3.1"),
+)
 async def replicas_write_once(t: ProducerCtx) -> None:
     """With P's KV replicated over its TP ranks (more ranks than KV heads), a D of TP 1 pulls
     each P rank into blocks of their own: the first rank of each replica group writes every
@@ -322,7 +327,6 @@ async def replicas_write_once(t: ProducerCtx) -> None:
     "producer/10.3/2",
     "10.3.1",
     covers=("10.9.1", "10.2.7"),
-    caught_by=("pp-count-ignored", "early-free"),
     risk=5,
 )
 async def every_d_stage_is_served(t: ProducerCtx) -> None:
@@ -382,7 +386,6 @@ async def expect_settled(t: ProducerCtx, h: HalfPulled, timeout: float, after: s
     "producer/10.3/3",
     "10.3.3",
     covers=("10.9.3", "10.5.5", "3.2-R5", "10.6.1", "3.4-R1"),
-    caught_by=("release-only-not-counted",),
     risk=11,
 )
 async def release_only_pull_counts(t: ProducerCtx) -> None:
@@ -402,7 +405,6 @@ async def release_only_pull_counts(t: ProducerCtx) -> None:
     "producer/10.3/4",
     "10.3.4",
     covers=("10.6.4", "10.9.1"),
-    caught_by=("err-counts-served",),
 )
 async def failed_request_does_not_count(t: ProducerCtx) -> None:
     """A pull that lists the request in err_reqs (it asked for more blocks than P holds) does
@@ -429,7 +431,10 @@ async def failed_request_does_not_count(t: ProducerCtx) -> None:
             w.give_back(blocks)
 
 
-@case("producer/10.3/5", "10.3.2", caught_by=("need-send-follows-each-pull",))
+@case(
+    "producer/10.3/5",
+    "10.3.2",
+)
 async def first_ready_pull_fixes_the_count(t: ProducerCtx) -> None:
     """P counts the pulls it waits for from the first pull that finds the transfer ready: after
     a pull of a D of TP twice P's and two stages (four pulls for each P rank), a pull that
@@ -460,7 +465,6 @@ async def first_ready_pull_fixes_the_count(t: ProducerCtx) -> None:
     "producer/10.9/1",
     "10.9.4",
     covers=("3.4-R22", "10.8.2", "7.1-R1", "3.3-R4", "10.4.1"),
-    caught_by=("error-frees", "no-length-check"),
 )
 async def error_reply_frees_nothing(t: ProducerCtx) -> None:
     """A pull answered ERROR (its region lengths do not fit: message #6b) lists nothing in
@@ -511,7 +515,6 @@ async def expect_error(
     "producer/10.8/3",
     "10.8.11",
     covers=("10.8.4", "10.8.6", "7.1-R1", "3.3-R4", "9.1-R4"),
-    caught_by=("no-length-check",),
 )
 async def lengths_must_fit_the_tp_ratio(t: ProducerCtx) -> None:
     """With different TP sizes, region lengths that do not fit the ratio get ERROR with message
@@ -565,7 +568,6 @@ def permuted_layout(worker: DWorker) -> dict[str, Any]:
     "producer/10.7/1",
     "10.7.1",
     covers=("3.2-R7", "10.8.1"),
-    caught_by=("aligns-by-position",),
 )
 async def regions_align_by_name(t: ProducerCtx) -> None:
     """A D that lists its regions in another order than P's gets each layer's bytes in the
@@ -593,7 +595,6 @@ async def regions_align_by_name(t: ProducerCtx) -> None:
     "producer/10.7/2",
     "10.7.4",
     covers=("10.7.3", "10.7.5", "10.2.6", "7.1-R1", "3.3-R4", "9.1-R5", "9.1-R7"),
-    caught_by=("no-alignment-check",),
 )
 async def misaligned_regions_are_an_error(t: ProducerCtx) -> None:
     """Aligned regions that name different layer indices or KV-cache groups get ERROR with
@@ -635,7 +636,6 @@ async def misaligned_regions_are_an_error(t: ProducerCtx) -> None:
     "producer/10.6/1",
     "10.6.5",
     covers=("10.6.4",),
-    caught_by=("first-blocks-on-prefix-hit",),
 )
 async def prefix_hit_gets_the_last_blocks(t: ProducerCtx) -> None:
     """A D that asks for fewer blocks than P holds (a prefix-cache hit) gets P's last ones."""

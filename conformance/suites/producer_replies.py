@@ -34,7 +34,10 @@ CODE_MESSAGES: Final = {
 }
 
 
-@case("producer/3.4/5", "3.4-R14", caught_by=("double-finish",))
+@case(
+    "producer/3.4/5",
+    "3.4-R14",
+)
 async def one_terminal_reply(t: ProducerCtx) -> None:
     """A served pull ends with exactly one terminal reply, and P sends nothing after it."""
     (tid,) = await t.ready(1)
@@ -62,7 +65,6 @@ async def one_terminal_reply(t: ProducerCtx) -> None:
     "producer/10.5/1",
     "10.5.6",
     covers=("10.5.1", "3.4-R16", "3.4-R17", "10.11.13", "3.1-R6", "10.4.6"),
-    caught_by=("no-continue",),
 )
 async def continue_then_finish(t: ProducerCtx) -> None:
     """One pull names two transfers: the one ready first is served in a CONTINUE while the other
@@ -139,7 +141,6 @@ async def continue_then_finish(t: ProducerCtx) -> None:
         "7.3-R1",
         "9.1-R6",
     ),
-    caught_by=("ok-also-failed",),
 )
 async def mixed_results_are_consistent(t: ProducerCtx) -> None:
     """A pull whose requests end differently (one served, one with a block list per KV-cache
@@ -215,7 +216,6 @@ def _plain(obj: Any) -> bool:
     "producer/2.1/6",
     "2.1-R12",
     covers=("2.1-R1", "2.1-R10", "2.2-R4", "8.4-R1", "3.4-R6"),
-    caught_by=("reply-map32", "v2-to-legacy"),
 )
 async def legacy_replies_are_vllm_bytes(t: ProducerCtx) -> None:
     """Every reply to a legacy pull (FINISH, ERROR, LAYOUT_MISS) is one MessagePack map of
@@ -256,7 +256,6 @@ async def legacy_replies_are_vllm_bytes(t: ProducerCtx) -> None:
     "10.5.4",
     covers=("7.1-R1", "3.4-R1", "10.3.4"),
     timeout=20.0,
-    caught_by=("engine-error-ok",),
 )
 async def failed_write_fails_the_round(t: ProducerCtx) -> None:
     """A round whose batch write fails (D's transfer-engine port is dead) fails its request with

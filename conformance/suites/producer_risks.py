@@ -15,7 +15,6 @@ from .producer_pairing import control, expect_loaded_slices
     "producer/10.4/3",
     "10.4.3",
     covers=("7.3-R3", "5.1-R3"),
-    caught_by=("reused-id-stalls",),
     risk=3,
 )
 async def reused_transfer_id_is_served(t: ProducerCtx) -> None:

@@ -56,7 +56,6 @@ EXPIRED: Final = {"EXPIRED": error_strings.EXPIRED}
     "10.4.5",
     covers=("10.4.4", "3.3-R3", "7.1-R1", "10.4.2"),
     timeout=20.0,
-    caught_by=("ready-timeout-as-error",),
 )
 async def ready_wait_expires(t: ProducerCtx) -> None:
     """A pull for a transfer whose P leg is never sent ends after T with FINISH and the request
@@ -85,7 +84,6 @@ async def ready_wait_expires(t: ProducerCtx) -> None:
     "10.11.5",
     covers=("10.5.7", "10.9.1", "7.1-R4"),
     timeout=20.0,
-    caught_by=("never-expires",),
 )
 async def ready_transfer_expires(t: ProducerCtx) -> None:
     """A ready transfer no pull came for is dropped after T: a pull that names it later gets
@@ -113,7 +111,6 @@ async def ready_transfer_expires(t: ProducerCtx) -> None:
     "10.11.4",
     covers=("6.3-R9", "10.11.5"),
     timeout=20.0,
-    caught_by=("placeholders-never-expire", "placeholder-restarts"),
     risk=2,
 )
 async def placeholder_expires(t: ProducerCtx) -> None:
@@ -139,7 +136,6 @@ async def placeholder_expires(t: ProducerCtx) -> None:
     "6.3-R2",
     covers=("10.4.4", "10.4.5", "10.4.2"),
     timeout=40.0,
-    caught_by=("ready-wait-fixed", "ready-wait-restarts-on-record"),
 )
 async def ready_wait_restarts_when_ready(t: ProducerCtx) -> None:
     """The ready wait restarts when a transfer of the pull becomes ready, and not when P only

@@ -32,7 +32,6 @@ QUICK: Final = 1.0  # an answer due at once must come within this
     "producer/2.4/3",
     "2.4-R3",
     covers=("3.5-R6", "2.4-R2", "3.1-R7"),
-    caught_by=("crash-on-malformed",),
 )
 async def undecodable_cancel(t: ProducerCtx) -> None:
     """A cancel P cannot decode (a wrong type, a TP rank not below the TP size) gets one ERROR
@@ -117,7 +116,6 @@ async def mismatched_pulls(
     "producer/3.6/1",
     "3.6-R4",
     covers=("3.6-R1", "3.6-R3", "10.11.14", "3.4-R8", "3.3-R4", "10.4.1"),
-    caught_by=("no-fingerprint-check",),
     risk=9,
 )
 async def fingerprint_mismatch(t: ProducerCtx) -> None:
@@ -133,7 +131,11 @@ async def fingerprint_mismatch(t: ProducerCtx) -> None:
         expect_names_fields(r.terminal.err_msg or "", fields, name)
 
 
-@case("producer/7.2/1", "7.2-R4", covers=("8.4-R7", "8.3-R3"), caught_by=("no-code-filter",))
+@case(
+    "producer/7.2/1",
+    "7.2-R4",
+    covers=("8.4-R7", "8.3-R3"),
+)
 async def no_fingerprint_code_unless_agreed(t: ProducerCtx) -> None:
     """To a pdwire/2 D that did not announce fingerprint, a fingerprint mismatch never carries
     the code FINGERPRINT_MISMATCH."""
@@ -148,7 +150,10 @@ async def no_fingerprint_code_unless_agreed(t: ProducerCtx) -> None:
         )
 
 
-@case("producer/3.6/2", "3.6-R7", caught_by=("requires-fingerprint",))
+@case(
+    "producer/3.6/2",
+    "3.6-R7",
+)
 async def no_fingerprint_is_fine(t: ProducerCtx) -> None:
     """A pdwire/2 pull (fingerprint announced) that carries no fingerprint is served."""
     t.require_cap(Capability.FINGERPRINT)
@@ -157,7 +162,10 @@ async def no_fingerprint_is_fine(t: ProducerCtx) -> None:
     t.release(loaded)
 
 
-@case("producer/3.6/4", "3.6-R11", caught_by=("misnames-layout",))
+@case(
+    "producer/3.6/4",
+    "3.6-R11",
+)
 async def fingerprint_names_the_layout(t: ProducerCtx) -> None:
     """P's fingerprint names how its blocks lie with a name of §3.6.1, and a transfer into
     blocks that lie as that name says is served (the fake D lays its regions out by the name)."""
@@ -180,7 +188,11 @@ async def fingerprint_names_the_layout(t: ProducerCtx) -> None:
     t.release(loaded)
 
 
-@case("producer/3.6/3", "3.6-R6", covers=("3.7-R11",), caught_by=("caches-mismatched-layout",))
+@case(
+    "producer/3.6/3",
+    "3.6-R6",
+    covers=("3.7-R11",),
+)
 async def mismatched_layout_not_cached(t: ProducerCtx) -> None:
     """A layout that came with a mismatching fingerprint is not cached: a later pull that omits
     it under the same layout_id gets LAYOUT_MISS."""
@@ -223,7 +235,9 @@ async def served_keys(t: ProducerCtx, worker: DWorker, **pull: Any) -> list[list
 
 
 @case(
-    "producer/8.2/1", "8.2-R4", covers=("8.3-R1", "3.4-R6"), caught_by=("remembers-peer-version",)
+    "producer/8.2/1",
+    "8.2-R4",
+    covers=("8.3-R1", "3.4-R6"),
 )
 async def each_pull_negotiates_alone(t: ProducerCtx) -> None:
     """P answers each pull as that pull announced: a legacy pull after an announcing one from
@@ -240,7 +254,11 @@ def reply_caps(r: PullResult) -> list[list[str]]:
     return [list(m.pdwire_caps) for m in r.decoded()]
 
 
-@case("producer/8.1/1", "8.1-R2", covers=("3.4-R7", "8.1-R3"), caught_by=("newer-version-legacy",))
+@case(
+    "producer/8.1/1",
+    "8.1-R2",
+    covers=("3.4-R7", "8.1-R3"),
+)
 async def newer_d_gets_p_version(t: ProducerCtx) -> None:
     """A D announcing a version above P's is answered at P's own highest version."""
     t.require_pdwire2()
@@ -252,7 +270,11 @@ async def newer_d_gets_p_version(t: ProducerCtx) -> None:
             expect_equal(m.pdwire_version, t.env.p_version, f"{addr}: pdwire_version")
 
 
-@case("producer/8.2/2", "8.2-R5", covers=("8.2-R1", "8.3-R2"), caught_by=("rejects-unknown-caps",))
+@case(
+    "producer/8.2/2",
+    "8.2-R5",
+    covers=("8.2-R1", "8.3-R2"),
+)
 async def unknown_caps_ignored(t: ProducerCtx) -> None:
     """A pull announcing a capability P does not know is served, and P's replies announce P's
     own capabilities, as its /query entry does, never the unknown one."""
@@ -267,7 +289,10 @@ async def unknown_caps_ignored(t: ProducerCtx) -> None:
             expect_equal(sorted(announced), own, f"{addr}: the reply's pdwire_caps")
 
 
-@case("producer/8.5/1", "8.5-R2", caught_by=("upper-case-caps",))
+@case(
+    "producer/8.5/1",
+    "8.5-R2",
+)
 async def caps_are_exact_names(t: ProducerCtx) -> None:
     """P announces its capabilities as the exact lower-case names of §8.5, in its replies and
     in its /query entry."""
@@ -337,7 +362,6 @@ def expect_will_not_send(rounds: list[Round], code: str | None) -> None:
     "10.11.1",
     covers=("7.2-R5", "7.2-R7", "7.1-R3", "8.5-R1", "10.9.5", "10.11.10"),
     timeout=15.0,
-    caught_by=("stall-on-stop", "will-not-send-is-bound"),
     risk=1,
 )
 async def stop_token_answers_at_once(t: ProducerCtx) -> None:
@@ -353,7 +377,6 @@ async def stop_token_answers_at_once(t: ProducerCtx) -> None:
     "7.2-R6",
     covers=("7.2-R5", "8.5-R1", "10.11.15", "7.1-R3", "3.4-R6"),
     timeout=15.0,
-    caught_by=("stall-on-stop",),
     risk=1,
 )
 async def stop_token_to_legacy_d(t: ProducerCtx) -> None:
@@ -372,7 +395,6 @@ async def stop_token_to_legacy_d(t: ProducerCtx) -> None:
     "7.2-R3",
     covers=("8.3-R2", "8.4-R7", "7.2-R2"),
     timeout=15.0,
-    caught_by=("no-code-filter",),
 )
 async def no_will_not_send_code_unless_agreed(t: ProducerCtx) -> None:
     """To a pdwire/2 D that did not announce will-not-send, P lists the request in err_reqs
@@ -389,7 +411,6 @@ async def no_will_not_send_code_unless_agreed(t: ProducerCtx) -> None:
     "producer/10.11/4",
     "10.11.10",
     covers=("10.11.9", "7.1-R4", "3.4-R16"),
-    caught_by=("unbound-transfer-ids",),
 )
 async def duplicate_transfer_id_in_pulls(t: ProducerCtx) -> None:
     """A transfer_id is bound to the d_req_id of the first pull naming it: another D request
@@ -432,7 +453,6 @@ async def duplicate_transfer_id_in_pulls(t: ProducerCtx) -> None:
     "producer/10.11/5",
     "10.11.7",
     covers=("10.11.6", "5.1-R3"),
-    caught_by=("duplicate-overwrites",),
     risk=4,
 )
 async def duplicate_transfer_id_in_p_legs(t: ProducerCtx) -> None:
@@ -463,7 +483,6 @@ async def duplicate_transfer_id_in_p_legs(t: ProducerCtx) -> None:
     "producer/10.11/6",
     "10.11.11",
     covers=("10.11.12", "10.4.1", "3.4-R8"),
-    caught_by=("no-pp-size-check",),
 )
 async def missing_remote_pp_size(t: ProducerCtx) -> None:
     """A D stage that holds half the model's layers but sends no remote_pp_size gets ERROR with
@@ -490,7 +509,6 @@ async def missing_remote_pp_size(t: ProducerCtx) -> None:
     "producer/6.3/1",
     "6.3-R5",
     covers=("7.1-R4",),
-    caught_by=("ignores-deadline",),
 )
 async def deadline_ms_is_honoured(t: ProducerCtx) -> None:
     """A pull with deadline_ms (deadline announced) for a transfer that is never sent ends at

@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import json
 import os
-import shlex
 import socket
 import sys
 import time
@@ -25,7 +24,7 @@ from typing import Any, Final
 import httpx
 
 from ..case import Case, CaseFailed, Suite, WireLog, expect
-from ..command import TemplateProcess, check, fill
+from ..command import TemplateProcess, check, fill, with_env
 from ..peers.backends import MODEL, FakeAPI, FakeBootstrap, Hit
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
@@ -61,13 +60,12 @@ REFERENCE_COMMAND: Final = (
 
 
 def reference_options(
-    mutant: str = "", request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    env: dict[str, str] | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 ) -> ProxyOptions:
-    """The reference proxy, with ``mutant`` when one is given; its key from ``KEY_ENV``."""
-    extra = f" --mutant {shlex.quote(mutant)}" if mutant else ""
+    """The reference proxy, ``env`` added to its environment; its key from ``KEY_ENV``."""
     return ProxyOptions(
-        command=REFERENCE_COMMAND + extra,
-        key_command=f"{REFERENCE_COMMAND} --api-key-env {KEY_ENV}{extra}",
+        command=with_env(REFERENCE_COMMAND, env or {}),
+        key_command=with_env(f"{REFERENCE_COMMAND} --api-key-env {KEY_ENV}", env or {}),
         request_timeout=request_timeout,
     )
 

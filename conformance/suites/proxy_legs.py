@@ -33,7 +33,11 @@ def _without_params(body: Any) -> dict[str, Any]:
     return {k: v for k, v in (body or {}).items() if k != "kv_transfer_params"}
 
 
-@case("proxy/5.1/1", "5.1-R4", covers=("5.1-R1",), caught_by=("proxy-merges-client-params",))
+@case(
+    "proxy/5.1/1",
+    "5.1-R4",
+    covers=("5.1-R1",),
+)
 async def no_internal_keys(t: ProxyCtx) -> None:
     """Neither leg's kv_transfer_params has a key beginning with "_", even when the client's
     request carries such keys; the P leg carries do_remote_decode true, do_remote_prefill false
@@ -48,7 +52,10 @@ async def no_internal_keys(t: ProxyCtx) -> None:
     expect("transfer_id" in p.params, f"the P leg has no transfer_id: {p.params}")
 
 
-@case("proxy/5.2/1", "5.2-R1", caught_by=("proxy-d-leg-own-transfer-id",))
+@case(
+    "proxy/5.2/1",
+    "5.2-R1",
+)
 async def d_leg_params(t: ProxyCtx) -> None:
     """The D leg carries do_remote_prefill true, do_remote_decode false, P's bootstrap server as
     remote_bootstrap_addr, the engine id of P's DP rank as remote_engine_id, and P's
@@ -76,7 +83,10 @@ async def d_leg_params(t: ProxyCtx) -> None:
         expect_equal(dp.get("transfer_id"), p.params.get("transfer_id"), "the D leg's transfer_id")
 
 
-@case("proxy/5.4/3", "5.4-R3", caught_by=("proxy-same-transfer-id",))
+@case(
+    "proxy/5.4/3",
+    "5.4-R3",
+)
 async def transfer_id_minted_per_request(t: ProxyCtx) -> None:
     """Each client request gets a transfer_id of its own, "xfer-" and a random UUID."""
     seen: set[str] = set()
@@ -90,7 +100,10 @@ async def transfer_id_minted_per_request(t: ProxyCtx) -> None:
         seen.add(str(tid))
 
 
-@case("proxy/5.4/4", "5.4-R4", caught_by=("proxy-reuses-client-transfer-id",))
+@case(
+    "proxy/5.4/4",
+    "5.4-R4",
+)
 async def client_transfer_id_ignored(t: ProxyCtx) -> None:
     """A transfer_id in the client's kv_transfer_params is not used: both legs carry one the
     proxy minted."""
@@ -103,7 +116,10 @@ async def client_transfer_id_ignored(t: ProxyCtx) -> None:
         expect_transfer_id(tid, f"the {leg} leg's")
 
 
-@case("proxy/5.4/5", "5.4-R5", caught_by=("proxy-p-leg-streams",))
+@case(
+    "proxy/5.4/5",
+    "5.4-R5",
+)
 async def p_leg_one_token_no_stream(t: ProxyCtx) -> None:
     """The P leg asks for one token (max_tokens, and max_completion_tokens when the client set
     it), without streaming and without stream_options."""
@@ -132,7 +148,10 @@ async def p_leg_one_token_no_stream(t: ProxyCtx) -> None:
         )
 
 
-@case("proxy/5.4/6", "5.4-R6", caught_by=("proxy-shares-leg-body",))
+@case(
+    "proxy/5.4/6",
+    "5.4-R6",
+)
 async def d_leg_passes_client_fields(t: ProxyCtx) -> None:
     """The D leg carries every field of the client's request unchanged, stream and
     stream_options included; only kv_transfer_params is the proxy's."""
@@ -153,7 +172,11 @@ async def d_leg_passes_client_fields(t: ProxyCtx) -> None:
         expect_equal(_without_params(d.body), _without_params(body), "the D leg's body")
 
 
-@case("proxy/5.4/7", "5.4-R7", timeout=15.0, caught_by=("proxy-serial-legs",))
+@case(
+    "proxy/5.4/7",
+    "5.4-R7",
+    timeout=15.0,
+)
 async def legs_sent_at_once(t: ProxyCtx) -> None:
     """With a P that takes 1.5 s to answer, D receives its leg before P has answered."""
     t.world.p.delay = P_DELAY_S

@@ -36,7 +36,6 @@ async def _polled(w: World) -> None:
     "proxy/5.4/1",
     "5.4-R1",
     timeout=20.0,
-    caught_by=("proxy-query-before-health",),
 )
 async def waits_for_health_then_queries(t: ProxyCtx) -> None:
     """The proxy polls P's /health until it answers 200, only then queries P's bootstrap
@@ -70,7 +69,6 @@ async def waits_for_health_then_queries(t: ProxyCtx) -> None:
     "proxy/5.4/2",
     "5.4-R2",
     timeout=20.0,
-    caught_by=("proxy-ready-early", "proxy-query-before-health"),
 )
 async def unavailable_until_ready(t: ProxyCtx) -> None:
     """Until P is healthy and its bootstrap server answered, a completion gets HTTP 503 and no
@@ -117,7 +115,6 @@ async def _unavailable(t: ProxyCtx, w: World, phase: str, watch: float = 0.0) ->
     "proxy/5.4/17",
     "5.4-R16",
     timeout=20.0,
-    caught_by=("proxy-bootstrap-port-8999",),
 )
 async def bootstrap_port_defaults_to_8998(t: ProxyCtx) -> None:
     """Started with P's bootstrap port given as none, the proxy queries port 8998 of P's host and

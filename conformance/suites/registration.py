@@ -103,12 +103,6 @@ def _expect_backoff(
     "4.4-R2",
     covers=("4.4-R1", "4.4-R4", "4.4-R5"),
     timeout=90.0,
-    caught_by=(
-        "register-four-attempts",
-        "register-no-backoff",
-        "register-unbounded-attempt",
-        "register-vague-failure",
-    ),
 )
 async def attempts_time_out(t: RegistrationCtx) -> None:
     """A registration whose every attempt times out: each attempt is bounded by
@@ -169,7 +163,6 @@ async def attempts_time_out(t: RegistrationCtx) -> None:
     "registration/4.4/2",
     "4.4-R3",
     timeout=90.0,
-    caught_by=("register-retries-http-error",),
 )
 async def http_error_is_not_retried(t: RegistrationCtx) -> None:
     """A registration refused with HTTP 400 ends at once: the worker makes no second attempt."""
@@ -253,12 +246,6 @@ async def _probe_while_held(t: RegistrationCtx, p: Deployment) -> None:
     "4.4-R12",
     covers=("4.4-R6", "4.4-R11", "4.1-R12"),
     timeout=90.0,
-    caught_by=(
-        "serves-before-registered",
-        "only-rank0-registers",
-        "external-bootstrap-served-too",
-        "workers-announce-apart",
-    ),
 )
 async def every_worker_registers_at_the_external_server(t: RegistrationCtx) -> None:
     """With an external bootstrap server, every P worker registers there, all with the same
@@ -319,7 +306,6 @@ def _sizes(t: RegistrationCtx, p: Deployment) -> tuple[int, int]:
     "registration/4.4/4",
     "4.4-R12",
     timeout=90.0,
-    caught_by=("bootstrap-address-unchecked",),
 )
 async def address_without_port_is_refused(t: RegistrationCtx) -> None:
     """An external bootstrap address without a port is a configuration error that names
@@ -349,7 +335,6 @@ OTHER_LOOPBACK: Final = "127.0.0.2"
     "registration/4.4/5",
     "4.4-R14",
     timeout=90.0,
-    caught_by=("own-bootstrap-on-loopback",),
 )
 async def own_bootstrap_server_listens_everywhere(t: RegistrationCtx) -> None:
     """Without an external bootstrap address, P serves a bootstrap server of its own within

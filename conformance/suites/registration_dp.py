@@ -104,12 +104,6 @@ async def expect_serving(t: RegistrationCtx, p: DpDeployment, what: str, dp_rank
     "4.4-R15",
     covers=("4.4-R13", "4.4-R16"),
     timeout=120.0,
-    caught_by=(
-        "dp-rank-is-index",
-        "dp-server-on-index-0",
-        "registers-at-master-ip",
-        "ignores-dp-nodes",
-    ),
 )
 async def data_parallel_placement(t: RegistrationCtx) -> None:
     """Four engines of data-parallel deployments, one after another (each stopped before the

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from ..case import Case, Suite, WireLog, given
-from ..command import TemplateProcess, check, fill
+from ..command import TemplateProcess, check, fill, with_env
 from ..peers.registrar import Registrar, Script
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_case
@@ -82,14 +82,13 @@ def check_template(template: str, own: bool = False, dp: bool = False) -> None:
 
 
 def reference_options(
-    mutant: str = "", request_timeout: float = DEFAULT_REQUEST_TIMEOUT
+    env: dict[str, str] | None = None, request_timeout: float = DEFAULT_REQUEST_TIMEOUT
 ) -> RegistrationOptions:
-    """The reference P, with ``mutant`` when one is given."""
-    extra = f" --mutant {mutant}" if mutant else ""
+    """The reference P, ``env`` added to its environment."""
     return RegistrationOptions(
-        REFERENCE_COMMAND + extra,
-        own_command=REFERENCE_OWN_COMMAND + extra,
-        dp_command=REFERENCE_DP_COMMAND + extra,
+        with_env(REFERENCE_COMMAND, env or {}),
+        own_command=with_env(REFERENCE_OWN_COMMAND, env or {}),
+        dp_command=with_env(REFERENCE_DP_COMMAND, env or {}),
         request_timeout=request_timeout,
     )
 

@@ -14,11 +14,12 @@ import httpx
 import pytest
 
 from conformance import ports, testees
+from mutants import preload
 
 
 @pytest.fixture
 def crashing_p() -> Iterator[testees.Testee]:
-    p = testees.start_node("prefill", mutant="crash-on-malformed")
+    p = testees.start_node("prefill", env=preload.environ("crash-on-malformed"))
     try:
         yield p
     finally:
@@ -35,9 +36,10 @@ def restartable_p(tmp_path: Path) -> Iterator[Restartable]:
     it in the background (``setsid``) and records its pid; the same command restarts it on the
     same ports."""
     api, boot = ports.free_port(), ports.free_port()
-    node = testees.node_command("prefill", api, bootstrap_port=boot, mutant="crash-on-malformed")
+    node = testees.node_command("prefill", api, bootstrap_port=boot)
+    env = [f"{k}={v}" for k, v in preload.environ("crash-on-malformed").items()]
     pid, log = tmp_path / "p.pid", tmp_path / "p.log"
-    start = f"setsid {shlex.join(node)} >> {log} 2>&1 < /dev/null & echo $! > {pid}"
+    start = f"setsid env {shlex.join([*env, *node])} >> {log} 2>&1 < /dev/null & echo $! > {pid}"
     subprocess.run(start, shell=True, check=True, timeout=10)
     try:
         url = f"http://127.0.0.1:{api}"

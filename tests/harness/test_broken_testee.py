@@ -16,6 +16,7 @@ from conformance.runner import in_run_order
 from conformance.suites.consumer_env import ConsumerEnv, ConsumerOptions
 from conformance.suites.pair_env import PairEnv, PairOptions
 from conformance.suites.producer_env import ProducerEnv, ProducerOptions
+from mutants import preload
 from tests import suite_report
 
 pytestmark = pytest.mark.conformance
@@ -96,7 +97,7 @@ def test_cases_that_break_a_testee_run_last() -> None:
 @pytest.mark.asyncio
 async def test_the_producer_probe_tells_a_serving_p_from_a_deaf_one() -> None:
     """The mutant's listener exits on a message of three frames, its bootstrap server stays."""
-    p = testees.start_node("prefill", mutant="listener-exits-on-multi-frame")
+    p = testees.start_node("prefill", env=preload.environ("listener-exits-on-multi-frame"))
     env = ProducerEnv(ProducerOptions(p.url, p.bootstrap, request_timeout=3.0))
     try:
         await env.open()

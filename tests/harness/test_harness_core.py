@@ -15,7 +15,6 @@ import pytest
 from conformance import case as case_module
 from conformance import cli, traceability
 from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases, case, expect
-from conformance.mutation import groups_of
 from conformance.report import write_html, write_json, write_junit
 from conformance.requirements import CATALOGUE, Level, dump, get, parse, parse_spec
 from conformance.runner import (
@@ -28,6 +27,7 @@ from conformance.runner import (
     summary,
 )
 from conformance.traceability import UNCOVERED
+from mutants.check import groups_of
 
 
 def test_catalogue_is_the_spec() -> None:
@@ -303,7 +303,7 @@ def test_matrix_manifest_gate_must_be_a_pair_case(tmp_path: Path) -> None:
 
 def test_a_mutant_run_with_no_pass_and_a_case_that_could_not_run_is_inconclusive() -> None:
     """Such a run is tried again on a node of its own; one where a case passed is a survivor."""
-    from conformance.mutation import MutantResult
+    from mutants.check import MutantResult
 
     def result(*verdicts: str) -> MutantResult:
         return MutantResult("m", "prefill", "own node", {str(i): v for i, v in enumerate(verdicts)})

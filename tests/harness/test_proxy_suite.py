@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 
 from conformance import cli
+from conformance.command import with_env
 from conformance.suites.proxy_env import KEY_ENV, REFERENCE_COMMAND
+from mutants import preload
 from tests import suite_report
 
 pytestmark = pytest.mark.conformance
@@ -40,7 +42,10 @@ def test_reference_proxy_passes_every_case(
 
 def test_a_proxy_mutant_fails_its_case(tmp_path: Path) -> None:
     code, doc = _run(
-        tmp_path, f"{REFERENCE_COMMAND} --mutant proxy-serial-legs", "--cases", "proxy/5.4/7"
+        tmp_path,
+        with_env(REFERENCE_COMMAND, preload.environ("proxy-serial-legs")),
+        "--cases",
+        "proxy/5.4/7",
     )
     only = suite_report.only(doc)
     assert only["verdict"] == "fail", only

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from conformance import testees
+from mutants import preload
 
 pytestmark = pytest.mark.conformance
 pytest_plugins = ["pytester"]
@@ -22,7 +23,7 @@ def prefill() -> Iterator[testees.Testee]:
 
 @pytest.fixture(scope="module")
 def mutant_prefill() -> Iterator[testees.Testee]:
-    p = testees.start_node("prefill", tp=2, mutant="v2-to-legacy")
+    p = testees.start_node("prefill", tp=2, env=preload.environ("v2-to-legacy"))
     yield p
     p.stop()
 

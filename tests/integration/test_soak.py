@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from reference_connector import cli_run, mutants, soak
+import mutants
+from reference_connector import cli_run, soak
 from reference_connector.transport import explain_import_error
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

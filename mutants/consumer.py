@@ -27,10 +27,10 @@ from pdwire.negotiation import LEGACY_PEER, Agreement, Offer
 from pdwire.roles import Role
 from pdwire.transitions import LoadState
 from pdwire.versions import CURRENT_VERSION, PDWIRE_2, Capability
+from reference_connector import bootstrap_client
+from reference_connector.consumer_agent import ConsumerAgent, _OpenPull
 
-from .. import bootstrap_client
-from ..consumer_agent import ConsumerAgent, _OpenPull
-from . import mutant, replace
+from . import configure, mutant, replace
 from .producer_planning import keep_every_block
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,11 @@ def _rewrite_replies(rewrite: Any) -> None:
     "omits-remote-pp-size",
     "decode",
     "runs PP 2 but leaves remote_pp_size out of its pulls",
-    pp_size=2,
+    cases=("consumer/3.2/2",),
+    at_start=True,
 )
 def _omits_remote_pp_size() -> None:
+    configure(pp_size=2)
     original = ConsumerSession._pull_message
 
     def pull_message(self: ConsumerSession, *args: Any, **kwargs: Any) -> Any:
@@ -75,7 +77,12 @@ def _omits_remote_pp_size() -> None:
     replace(ConsumerSession, "_pull_message", pull_message)
 
 
-@mutant("short-block-list", "decode", "asks P for one block fewer than the prompt fills")
+@mutant(
+    "short-block-list",
+    "decode",
+    "asks P for one block fewer than the prompt fills",
+    cases=("consumer/3.2/1",),
+)
 def _short_block_list() -> None:
     original = ConsumerSession._on_loads
 
@@ -93,6 +100,7 @@ def _short_block_list() -> None:
     "decode",
     "omits its layout before P echoed its layout_id",
     at_start=True,
+    cases=("consumer/3.2/3",),
 )
 def _omits_layout_unechoed() -> None:
     class EchoedByAll(set[str]):
@@ -108,7 +116,12 @@ def _omits_layout_unechoed() -> None:
     replace(ConsumerSession, "__init__", init)
 
 
-@mutant("no-fingerprint", "decode", "announces fingerprint but sends none in its pulls")
+@mutant(
+    "no-fingerprint",
+    "decode",
+    "announces fingerprint but sends none in its pulls",
+    cases=("consumer/3.2/5",),
+)
 def _no_fingerprint() -> None:
     original = ConsumerSession._pull_message
 
@@ -121,7 +134,12 @@ def _no_fingerprint() -> None:
     replace(ConsumerSession, "_pull_message", pull_message)
 
 
-@mutant("pull-deadline-inflated", "decode", "sends 10 s more than the time left as its deadline_ms")
+@mutant(
+    "pull-deadline-inflated",
+    "decode",
+    "sends 10 s more than the time left as its deadline_ms",
+    cases=("consumer/5.2/3",),
+)
 def _pull_deadline_inflated() -> None:
     original = ConsumerSession._pull_message
 
@@ -138,6 +156,7 @@ def _pull_deadline_inflated() -> None:
     "pull-deadline-earliest",
     "decode",
     "sends the time left until the earliest deadline of a pull's requests, not the latest",
+    cases=("consumer/6.3/2",),
 )
 def _pull_deadline_earliest() -> None:
     original = ConsumerSession._pull_message
@@ -154,7 +173,12 @@ def _pull_deadline_earliest() -> None:
     replace(ConsumerSession, "_pull_message", pull_message)
 
 
-@mutant("cancel-rank-out-of-range", "decode", "names TP rank tp_size in its cancels")
+@mutant(
+    "cancel-rank-out-of-range",
+    "decode",
+    "names TP rank tp_size in its cancels",
+    cases=("consumer/5.2/3",),
+)
 def _cancel_rank_out_of_range() -> None:
     original = codec.encode_cancel
 
@@ -164,7 +188,9 @@ def _cancel_rank_out_of_range() -> None:
     replace(consumer_module, "encode_cancel", encode)
 
 
-@mutant("cancel-to-legacy", "decode", "cancels its pulls at a legacy P too")
+@mutant(
+    "cancel-to-legacy", "decode", "cancels its pulls at a legacy P too", cases=("consumer/3.5/1",)
+)
 def _cancel_to_legacy() -> None:
     original = negotiation.Agreement.allows
 
@@ -175,7 +201,12 @@ def _cancel_to_legacy() -> None:
     replace(consumer_module, "encode_cancel", lambda msg, agreement: msgspec.msgpack.encode(msg))
 
 
-@mutant("flat-block-lists", "decode", "sends flat block lists, as vLLM 0.16 to 0.19 did")
+@mutant(
+    "flat-block-lists",
+    "decode",
+    "sends flat block lists, as vLLM 0.16 to 0.19 did",
+    cases=("consumer/3.2/1",),
+)
 def _flat_block_lists() -> None:
     original = codec.encode_pull
 
@@ -187,7 +218,12 @@ def _flat_block_lists() -> None:
     replace(consumer_module, "encode_pull", encode)
 
 
-@mutant("pull-with-delimiter", "decode", "sends each pull as two frames [b'', pull]")
+@mutant(
+    "pull-with-delimiter",
+    "decode",
+    "sends each pull as two frames [b'', pull]",
+    cases=("consumer/3.1/1",),
+)
 def _pull_with_delimiter() -> None:
     def send_pull(self: ConsumerAgent, pull: Any) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -202,7 +238,12 @@ def _pull_with_delimiter() -> None:
     replace(ConsumerAgent, "_send_pull", send_pull)
 
 
-@mutant("reuses-dealer", "decode", "sends every pull to a P worker on one DEALER")
+@mutant(
+    "reuses-dealer",
+    "decode",
+    "sends every pull to a P worker on one DEALER",
+    cases=("consumer/3.1/1",),
+)
 def _reuses_dealer() -> None:
     def send_pull(self: ConsumerAgent, pull: Any) -> None:
         kept: dict[str, _OpenPull] = self.__dict__.setdefault("_kept", {})
@@ -230,7 +271,12 @@ def _reuses_dealer() -> None:
 # -- replies ----------------------------------------------------------------------------------
 
 
-@mutant("unreported-ok", "decode", "takes a request a FINISH did not list as loaded")
+@mutant(
+    "unreported-ok",
+    "decode",
+    "takes a request a FINISH did not list as loaded",
+    cases=("consumer/3.4/1",),
+)
 def _unreported_ok() -> None:
     original = ConsumerSession._fail_pull
 
@@ -249,6 +295,10 @@ def _unreported_ok() -> None:
     "trusts-every-reply",
     "decode",
     "takes every request as loaded on any terminal reply: ERROR, or one it cannot decode",
+    cases=(
+        "consumer/2.4/1",
+        "consumer/3.4/2",
+    ),
 )
 def _trusts_every_reply() -> None:
     def rewrite(session: Any, pull: Any, reply: XferResponseV2 | None) -> Any:
@@ -259,7 +309,15 @@ def _trusts_every_reply() -> None:
     _rewrite_replies(rewrite)
 
 
-@mutant("ignores-err-reqs", "decode", "takes the requests of err_reqs as loaded")
+@mutant(
+    "ignores-err-reqs",
+    "decode",
+    "takes the requests of err_reqs as loaded",
+    cases=(
+        "consumer/10.10/1",
+        "consumer/10.10/5",
+    ),
+)
 def _ignores_err_reqs() -> None:
     def rewrite(session: Any, pull: Any, reply: XferResponseV2 | None) -> Any:
         if reply is None or not reply.err_reqs:
@@ -272,7 +330,12 @@ def _ignores_err_reqs() -> None:
     _rewrite_replies(rewrite)
 
 
-@mutant("continue-is-terminal", "decode", "takes CONTINUE as the end of the pull")
+@mutant(
+    "continue-is-terminal",
+    "decode",
+    "takes CONTINUE as the end of the pull",
+    cases=("consumer/3.4/4",),
+)
 def _continue_is_terminal() -> None:
     def rewrite(session: Any, pull: Any, reply: XferResponseV2 | None) -> Any:
         if reply is None or reply.status is not Status.CONTINUE:
@@ -282,7 +345,12 @@ def _continue_is_terminal() -> None:
     _rewrite_replies(rewrite)
 
 
-@mutant("err-msg-fails", "decode", "fails every pending request of a reply that has an err_msg")
+@mutant(
+    "err-msg-fails",
+    "decode",
+    "fails every pending request of a reply that has an err_msg",
+    cases=("consumer/7.1/1",),
+)
 def _err_msg_fails() -> None:
     def rewrite(session: Any, pull: Any, reply: XferResponseV2 | None) -> Any:
         if reply is None or not reply.err_msg or reply.status is not Status.FINISH:
@@ -292,7 +360,12 @@ def _err_msg_fails() -> None:
     _rewrite_replies(rewrite)
 
 
-@mutant("ignores-err-codes", "decode", "takes a failed request's code from err_code alone")
+@mutant(
+    "ignores-err-codes",
+    "decode",
+    "takes a failed request's code from err_code alone",
+    cases=("consumer/3.4/5",),
+)
 def _ignores_err_codes() -> None:
     def rewrite(session: Any, pull: Any, reply: XferResponseV2 | None) -> Any:
         if reply is None or not reply.err_codes:
@@ -306,6 +379,7 @@ def _ignores_err_codes() -> None:
     "unknown-id-fails-pull",
     "decode",
     "fails the whole pull when a reply lists an id that is not pending in it",
+    cases=("consumer/3.4/3",),
 )
 def _unknown_id_fails_pull() -> None:
     original = ConsumerSession._settle
@@ -319,7 +393,12 @@ def _unknown_id_fails_pull() -> None:
     replace(ConsumerSession, "_settle", settle)
 
 
-@mutant("ignores-layout-miss", "decode", "fails a pull on LAYOUT_MISS instead of resending it")
+@mutant(
+    "ignores-layout-miss",
+    "decode",
+    "fails a pull on LAYOUT_MISS instead of resending it",
+    cases=("consumer/3.7/1",),
+)
 def _ignores_layout_miss() -> None:
     def resend(self: ConsumerSession, pull: Any, now: float) -> None:
         self._fail_pull(pull, ErrorCode.LAYOUT_MISS, "layout lost")
@@ -331,6 +410,7 @@ def _ignores_layout_miss() -> None:
     "retries-layout-miss",
     "decode",
     "sends a pull again on LAYOUT_MISS even when it carried its layout",
+    cases=("consumer/3.7/2",),
 )
 def _retries_layout_miss() -> None:
     original = ConsumerSession._on_reply
@@ -348,6 +428,7 @@ def _retries_layout_miss() -> None:
     "first-reply-completes",
     "decode",
     "settles a request when its first pull settles, not its last",
+    cases=("consumer/10.10/3",),
 )
 def _first_reply_completes() -> None:
     original = ConsumerSession._start_pulls
@@ -365,11 +446,18 @@ def _first_reply_completes() -> None:
 # -- bootstrap --------------------------------------------------------------------------------
 
 
-@mutant("first-engine-entry", "decode", "pulls from the /query entry of DP rank 0, whatever engine")
+@mutant(
+    "first-engine-entry",
+    "decode",
+    "pulls from the /query entry of DP rank 0, whatever engine",
+    cases=(
+        "consumer/4.2/1",
+        "consumer/4.2/2",
+    ),
+)
 def _first_engine_entry() -> None:
     from pdwire.events import EngineResolved
-
-    from ..consumer_agent import ENGINE_NOT_FOUND
+    from reference_connector.consumer_agent import ENGINE_NOT_FOUND
 
     async def resolve(self: ConsumerAgent, engine_id: str, addr: str) -> None:
         entry = None
@@ -390,6 +478,7 @@ def _first_engine_entry() -> None:
     "infers-tp-from-entry",
     "decode",
     "takes P's TP size from the workers a /query entry lists, ignoring its tp_size",
+    cases=("consumer/4.2/3",),
 )
 def _infers_tp_from_entry() -> None:
     problem, targets = ConsumerSession._entry_problem, ConsumerSession._targets
@@ -409,12 +498,18 @@ def _infers_tp_from_entry() -> None:
     "caches-engine-forever",
     "decode",
     "never queries the bootstrap server again for an engine it knows",
+    cases=("consumer/4.2/4",),
 )
 def _caches_engine_forever() -> None:
     replace(ConsumerSession, "_forget_engine_of", lambda self, pull: None)
 
 
-@mutant("requires-health", "decode", "refuses a bootstrap server without GET /health")
+@mutant(
+    "requires-health",
+    "decode",
+    "refuses a bootstrap server without GET /health",
+    cases=("consumer/4.3/1",),
+)
 def _requires_health() -> None:
     original = bootstrap_client.query
 
@@ -428,7 +523,12 @@ def _requires_health() -> None:
     replace(bootstrap_client, "query", query)
 
 
-@mutant("query-per-request", "decode", "queries the bootstrap server once per request")
+@mutant(
+    "query-per-request",
+    "decode",
+    "queries the bootstrap server once per request",
+    cases=("consumer/4.4/1",),
+)
 def _query_per_request() -> None:
     original = ConsumerSession._on_loads
 
@@ -449,9 +549,12 @@ def _query_per_request() -> None:
     "recompute",
     "decode",
     "silently recomputes every prompt instead of loading it",
-    load_failure_policy="recompute",
+    cases=("consumer/4.2/1", "consumer/4.4/2", "consumer/5.2/2"),
+    at_start=True,
 )
 def _recompute() -> None:
+    configure(load_failure_policy="recompute")
+
     def load(self: ConsumerAgent, requests: Any) -> None:
         for r in requests:
             self._thread.call(self._on_failed, r.d_req_id, ErrorCode.INTERNAL, "not loaded", True)
@@ -463,9 +566,10 @@ def _recompute() -> None:
     "discards-loaded-kv",
     "decode",
     "loads the KV from P, then recomputes the prompt over it and decodes from that",
+    cases=("consumer/5.2/2",),
 )
 def _discards_loaded_kv() -> None:
-    from ..node import NodeEngine
+    from reference_connector.node import NodeEngine
 
     original = NodeEngine._load
 
@@ -483,9 +587,10 @@ def _discards_loaded_kv() -> None:
     "no-release-on-abort",
     "decode",
     "sends P nothing for a request aborted while it waited for blocks",
+    cases=("consumer/10.10/4",),
 )
 def _no_release_on_abort() -> None:
-    from ..node import NodeEngine
+    from reference_connector.node import NodeEngine
 
     async def release_only(self: NodeEngine, job: Any, p: Any) -> None:
         return None
@@ -497,9 +602,10 @@ def _no_release_on_abort() -> None:
     "invalid-params-fail",
     "decode",
     "fails a D leg that lacks a field instead of computing the prompt itself",
+    cases=("consumer/5.2/1",),
 )
 def _invalid_params_fail() -> None:
-    from ..node import NodeEngine, NodeError
+    from reference_connector.node import NodeEngine, NodeError
 
     original = NodeEngine.generate
 
@@ -513,9 +619,11 @@ def _invalid_params_fail() -> None:
     replace(NodeEngine, "generate", generate)
 
 
-@mutant("ignores-deadline-ms", "decode", "ignores deadline_ms in the D leg")
+@mutant(
+    "ignores-deadline-ms", "decode", "ignores deadline_ms in the D leg", cases=("consumer/5.2/3",)
+)
 def _ignores_deadline_ms() -> None:
-    from ..node import NodeEngine
+    from reference_connector.node import NodeEngine
 
     original = NodeEngine._load
 
@@ -529,16 +637,18 @@ def _ignores_deadline_ms() -> None:
     "no-receive-timeout",
     "decode",
     "waits for a reply to its pull as good as forever",
-    receive_timeout=1e6,
+    cases=("consumer/3.1/2",),
+    at_start=True,
 )
 def _no_receive_timeout() -> None:
-    """The defect is the node setting alone."""
+    configure(receive_timeout=1e6)
 
 
 @mutant(
     "frees-before-cancel-reply",
     "decode",
     "frees the blocks of a request it gives up on at once, while P may still write into them",
+    cases=("consumer/5.2/3",),
 )
 def _frees_before_cancel_reply() -> None:
     original = ConsumerSession._give_up
@@ -557,6 +667,7 @@ def _frees_before_cancel_reply() -> None:
     "pulls-after-deadline",
     "decode",
     "a request whose deadline passes while P is resolved is still pulled once P is known",
+    cases=("consumer/6.3/1",),
 )
 def _pulls_after_deadline() -> None:
     original = ConsumerSession._fire
@@ -578,6 +689,7 @@ def _pulls_after_deadline() -> None:
     "ignores-legacy-reply",
     "decode",
     "keeps announcing to a P worker that answered without pdwire_version",
+    cases=("consumer/8.2/1",),
 )
 def _ignores_legacy_reply() -> None:
     def learn(self: ConsumerSession, pull: Any, version: int, caps: list[str]) -> None:
@@ -591,6 +703,7 @@ def _ignores_legacy_reply() -> None:
     "ignores-reply-version",
     "decode",
     "learns nothing from a reply's pdwire_version, only from /query",
+    cases=("consumer/8.2/2",),
 )
 def _ignores_reply_version() -> None:
     def learn(self: ConsumerSession, pull: Any, version: int, caps: list[str]) -> None:
@@ -600,7 +713,15 @@ def _ignores_reply_version() -> None:
     replace(ConsumerSession, "_learn_peer", learn)
 
 
-@mutant("announces-to-legacy", "decode", "announces pdwire/2 even to a P known to be legacy")
+@mutant(
+    "announces-to-legacy",
+    "decode",
+    "announces pdwire/2 even to a P known to be legacy",
+    cases=(
+        "consumer/3.2/4",
+        "consumer/8.2/1",
+    ),
+)
 def _announces_to_legacy() -> None:
     original = negotiation.negotiate
 
@@ -613,7 +734,12 @@ def _announces_to_legacy() -> None:
     replace(consumer_module, "negotiate", negotiate)
 
 
-@mutant("newer-p-is-legacy", "decode", "speaks legacy to a P that announced a later version")
+@mutant(
+    "newer-p-is-legacy",
+    "decode",
+    "speaks legacy to a P that announced a later version",
+    cases=("consumer/8.1/1",),
+)
 def _newer_p_is_legacy() -> None:
     original = negotiation.negotiate
 
@@ -625,7 +751,12 @@ def _newer_p_is_legacy() -> None:
     replace(consumer_module, "negotiate", negotiate)
 
 
-@mutant("cancel-to-any", "decode", "sends XferCancel to P's that did not announce cancel")
+@mutant(
+    "cancel-to-any",
+    "decode",
+    "sends XferCancel to P's that did not announce cancel",
+    cases=("consumer/8.4/1",),
+)
 def _cancel_to_any() -> None:
     original = Agreement.allows
 
@@ -638,7 +769,12 @@ def _cancel_to_any() -> None:
 # -- pairing ----------------------------------------------------------------------------------
 
 
-@mutant("pulls-one-tp-rank", "decode", "pulls from only the first of the P TP ranks it pairs with")
+@mutant(
+    "pulls-one-tp-rank",
+    "decode",
+    "pulls from only the first of the P TP ranks it pairs with",
+    cases=("consumer/10.1/1",),
+)
 def _pulls_one_tp_rank() -> None:
     original = planning.target_ranks
 
@@ -652,6 +788,7 @@ def _pulls_one_tp_rank() -> None:
     "tp-pairs-unchecked",
     "decode",
     "pairs with a P whose TP size does not divide its own (rounding the ratio down) and pulls",
+    cases=("consumer/10.1/2",),
 )
 def _tp_pairs_unchecked() -> None:
     def rounded(local_tp: int, local_rank: int, remote_tp: int) -> list[int]:
@@ -667,6 +804,7 @@ def _tp_pairs_unchecked() -> None:
     "pulls-own-stage-only",
     "decode",
     "pulls only from the P stage of its own PP rank, whatever the PP sizes",
+    cases=("consumer/10.2/1",),
 )
 def _pulls_own_stage_only() -> None:
     def targets(self: ConsumerSession, entry: Any) -> list[str]:
@@ -692,9 +830,10 @@ def _set_layout_id(agent: ConsumerAgent, layout_id: int) -> None:
     "new-layout-on-wake",
     "decode",
     "mints a new layout_id when woken from sleep, though its KV keeps its addresses",
+    cases=("consumer/3.7/3",),
 )
 def _new_layout_on_wake() -> None:
-    from ..worker_agents import ReferenceAgent
+    from reference_connector.worker_agents import ReferenceAgent
 
     original = ReferenceAgent.wake_up
 
@@ -712,9 +851,10 @@ def _new_layout_on_wake() -> None:
     "derives its layout_id from its engine id and ranks, so a D restarted under the same "
     "engine id sends the same one",
     at_start=True,
+    cases=("consumer/3.7/4",),
 )
 def _layout_id_of_engine() -> None:
-    from ..worker_agents import ReferenceAgent, WorkerContext
+    from reference_connector.worker_agents import ReferenceAgent, WorkerContext
 
     original = ReferenceAgent.__init__
 
@@ -732,4 +872,5 @@ mutant(
     "d-window-unclipped",
     "decode",
     "lists every block of a prompt in its sliding-window KV-cache group (10.4.7)",
+    cases=("consumer/10.4/1",),
 )(keep_every_block)

@@ -1,20 +1,21 @@
 """The reference testee with one deliberate defect: what proves that a conformance case can fail.
 
-``pdwire node --mutant NAME`` starts a node whose every process (the front and each worker) first
-applies the mutant: a patch of one behaviour of pdwire's own code, made in that process only.
-``pdwire node --mutant-control`` lets the harness switch mutants on and off in a running node
-instead (``POST /pdwire/mutant``): every patch goes through ``replace``, which keeps what it
-replaced, so ``restore`` puts the reference back. A mutant that changes the node's configuration
-(``node``), or whose patch reaches only what starts after it (``at_start``: a constructor, a loop
-already running), needs a node of its own. Each mutant is caught by at least one conformance case
-(``caught_by`` in ``conformance``), and the test suite shows it. Never use a mutant for anything
-but testing the harness.
+A mutant is a patch of one behaviour of pdwire's reference code, applied in a process from
+outside: a process started with ``preload.environ(NAME)`` (``PYTHONPATH`` with the preload's
+``sitecustomize``, ``PDWIRE_MUTANT``) applies it before it runs anything, and so does every
+process it starts, such as a node's workers. With ``PDWIRE_MUTANT_SWITCH`` the check switches
+mutants on and off in running processes instead (``preload``). Every patch goes through
+``replace``, which keeps what it replaced, so ``restore`` puts the reference back. A mutant whose
+patch reaches only what starts after it (``at_start``: a constructor, a loop already running, a
+node's configuration) needs a process of its own. Each mutant names the conformance cases that
+catch it (``cases``); ``python -m mutants check`` shows that they do. This package is not
+installed with pdwire.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Final, Literal
 
 Role = Literal["prefill", "decode", "proxy"]
@@ -23,16 +24,16 @@ Role = Literal["prefill", "decode", "proxy"]
 @dataclasses.dataclass(frozen=True)
 class Mutant:
     name: str
-    role: Role  # the node role the defect is in; proxy: ``pdwire proxy --mutant``
+    role: Role  # the testee the defect is in: a node of that role, or ``pdwire proxy``
     defect: str  # what is broken, in one line
     patch: Callable[[], None]  # applies the defect in the calling process
-    node: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # NodeConfig overrides
+    cases: tuple[str, ...]  # the ids of the conformance cases that catch it
     at_start: bool = False  # the patch reaches only what is made after it
 
     @property
-    def own_node(self) -> bool:
-        """Whether the mutant needs a node started with it, not switched on in a running one."""
-        return bool(self.node) or self.at_start
+    def switchable(self) -> bool:
+        """Whether the mutant can be switched on in a running node, not only started with it."""
+        return not self.at_start and self.role != "proxy"
 
 
 MUTANTS: dict[str, Mutant] = {}
@@ -42,17 +43,32 @@ _active = ""
 
 
 def mutant(
-    name: str, role: Role, defect: str, *, at_start: bool = False, **node: Any
+    name: str, role: Role, defect: str, *, cases: tuple[str, ...], at_start: bool = False
 ) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    """Register the decorated function as the patch of mutant ``name``."""
+    """Register the decorated function as the patch of mutant ``name``, caught by ``cases``."""
 
     def register(patch: Callable[[], None]) -> Callable[[], None]:
         if name in MUTANTS:
             raise ValueError(f"mutant {name} is defined twice")
-        MUTANTS[name] = Mutant(name, role, defect, patch, node, at_start)
+        if not cases:
+            raise ValueError(f"mutant {name} names no case that catches it")
+        MUTANTS[name] = Mutant(name, role, defect, patch, cases, at_start)
         return patch
 
     return register
+
+
+def configure(**overrides: Any) -> None:
+    """Start every node of this process with ``overrides`` of its ``NodeConfig``: the defect
+    of a mutant that is a setting (``at_start``)."""
+    from reference_connector.node_api import NodeServer
+
+    original = NodeServer.__init__
+
+    def init(self: NodeServer, config: Any) -> None:
+        original(self, dataclasses.replace(config, **overrides))
+
+    replace(NodeServer, "__init__", init)
 
 
 def replace(owner: object, name: str, value: object) -> None:
@@ -83,19 +99,6 @@ def get(name: str) -> Mutant:
         return MUTANTS[name]
     except KeyError:
         raise KeyError(f"no mutant {name!r}; known: {', '.join(sorted(MUTANTS))}") from None
-
-
-def apply_for(name: str, role: str) -> Mutant:
-    """Apply mutant ``name`` in a process of ``role``; ``ValueError`` when there is no such
-    mutant, or it is a defect of another role."""
-    try:
-        m = get(name)
-    except KeyError as exc:
-        raise ValueError(exc.args[0]) from None
-    if m.role != role:
-        raise ValueError(f"mutant {m.name} is a {m.role} defect")
-    apply(m.name)
-    return m
 
 
 def apply(name: str) -> None:

@@ -35,7 +35,19 @@ def _reject(message: str) -> DecodeError:
     return DecodeError(message, section=sections.PULL, kind="pull")
 
 
-@mutant("unvalidated-pull", "prefill", "builds a pull from the raw map: no type, range, key check")
+@mutant(
+    "unvalidated-pull",
+    "prefill",
+    "builds a pull from the raw map: no type, range, key check",
+    cases=(
+        "producer/2.1/5",
+        "producer/2.2/1",
+        "producer/2.2/2",
+        "producer/2.2/3",
+        "producer/2.3/2",
+        "producer/2.3/4",
+    ),
+)
 def _unvalidated_pull() -> None:
     def decode(data: bytes, *, max_size: int = codec.DEFAULT_MAX_MESSAGE_BYTES) -> Any:
         return XferMetadataV2(**msgspec.msgpack.decode(data))
@@ -43,7 +55,12 @@ def _unvalidated_pull() -> None:
     replace(producer_module, "decode_pull", decode)
 
 
-@mutant("ignores-trailing", "prefill", "decodes the first value of a pull, ignores the rest")
+@mutant(
+    "ignores-trailing",
+    "prefill",
+    "decodes the first value of a pull, ignores the rest",
+    cases=("producer/2.3/3",),
+)
 def _ignores_trailing() -> None:
     original = codec.decode_pull
 
@@ -59,12 +76,25 @@ def _ignores_trailing() -> None:
     replace(producer_module, "decode_pull", decode)
 
 
-@mutant("no-cross-field-checks", "prefill", "skips the cross-field rules of a pull (3.2-R1, R2)")
+@mutant(
+    "no-cross-field-checks",
+    "prefill",
+    "skips the cross-field rules of a pull (3.2-R1, R2)",
+    cases=(
+        "producer/3.2/1",
+        "producer/3.2/2",
+    ),
+)
 def _no_cross_field_checks() -> None:
     replace(codec, "_check_pull", lambda msg: None)
 
 
-@mutant("no-older-variants", "prefill", "rejects the older pull variants of §3.8")
+@mutant(
+    "no-older-variants",
+    "prefill",
+    "rejects the older pull variants of §3.8",
+    cases=("producer/3.8/1",),
+)
 def _no_older_variants() -> None:
     def refuse(data: Any, first_error: msgspec.ValidationError) -> Any:
         raise codec._invalid(first_error, "pull")
@@ -72,7 +102,12 @@ def _no_older_variants() -> None:
     replace(codec, "_decode_older_pull", refuse)
 
 
-@mutant("order-sensitive", "prefill", "rejects a pull whose fields are not in declaration order")
+@mutant(
+    "order-sensitive",
+    "prefill",
+    "rejects a pull whose fields are not in declaration order",
+    cases=("producer/2.1/1",),
+)
 def _order_sensitive() -> None:
     fields = XferMetadataV2.__struct_fields__
 
@@ -84,7 +119,12 @@ def _order_sensitive() -> None:
     _wrap_decode(check)
 
 
-@mutant("rejects-unknown-keys", "prefill", "rejects a pull with a key it does not know")
+@mutant(
+    "rejects-unknown-keys",
+    "prefill",
+    "rejects a pull with a key it does not know",
+    cases=("producer/2.1/3",),
+)
 def _rejects_unknown_keys() -> None:
     known = set(XferMetadataV2.__struct_fields__)
     fp_known = {f.name for f in dataclasses.fields(Fingerprint)}
@@ -98,7 +138,12 @@ def _rejects_unknown_keys() -> None:
     _wrap_decode(check)
 
 
-@mutant("narrow-map-headers", "prefill", "rejects a pull whose map header is map 32")
+@mutant(
+    "narrow-map-headers",
+    "prefill",
+    "rejects a pull whose map header is map 32",
+    cases=("producer/2.1/4",),
+)
 def _narrow_map_headers() -> None:
     def check(data: bytes, msg: Any) -> None:
         if data[:1] == b"\xdf":
@@ -111,6 +156,7 @@ def _narrow_map_headers() -> None:
     "version-key-announces",
     "prefill",
     "takes a pull with a pdwire_version key (even 0 or 1) as announcing pdwire/2",
+    cases=("producer/2.1/2",),
 )
 def _version_key_announces() -> None:
     def check(data: bytes, msg: Any) -> None:
@@ -120,7 +166,13 @@ def _version_key_announces() -> None:
     _wrap_decode(check)
 
 
-@mutant("small-size-limit", "prefill", "rejects every message longer than 1 MiB", at_start=True)
+@mutant(
+    "small-size-limit",
+    "prefill",
+    "rejects every message longer than 1 MiB",
+    at_start=True,
+    cases=("producer/2.3/1",),
+)
 def _small_size_limit() -> None:
     original = ProducerSession.__init__
 
@@ -130,7 +182,13 @@ def _small_size_limit() -> None:
     replace(ProducerSession, "__init__", init)
 
 
-@mutant("no-size-limit", "prefill", "decodes a message of any length", at_start=True)
+@mutant(
+    "no-size-limit",
+    "prefill",
+    "decodes a message of any length",
+    at_start=True,
+    cases=("producer/2.3/5",),
+)
 def _no_size_limit() -> None:
     original = ProducerSession.__init__
 
@@ -140,6 +198,11 @@ def _no_size_limit() -> None:
     replace(ProducerSession, "__init__", init)
 
 
-@mutant("payload-past-stride", "prefill", "serves a pull whose payload is longer than its stride")
+@mutant(
+    "payload-past-stride",
+    "prefill",
+    "serves a pull whose payload is longer than its stride",
+    cases=("producer/3.2/2",),
+)
 def _payload_past_stride() -> None:
     replace(codec, "_payload_past_stride", lambda m: None)

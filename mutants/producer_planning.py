@@ -15,7 +15,16 @@ from pdwire.planning import PlanError, Region, RegionPlan, Side
 from . import mutant, replace
 
 
-@mutant("no-shard-offsets", "prefill", "writes at offset 0 of both blocks when TP sizes differ")
+@mutant(
+    "no-shard-offsets",
+    "prefill",
+    "writes at offset 0 of both blocks when TP sizes differ",
+    cases=(
+        "producer/10.8/1",
+        "producer/10.8/2",
+        "producer/10.8/4",
+    ),
+)
 def _no_shard_offsets() -> None:
     original = planning._place
 
@@ -28,7 +37,15 @@ def _no_shard_offsets() -> None:
     replace(planning, "_place", place)
 
 
-@mutant("no-length-check", "prefill", "serves regions whose lengths do not fit the TP ratio")
+@mutant(
+    "no-length-check",
+    "prefill",
+    "serves regions whose lengths do not fit the TP ratio",
+    cases=(
+        "producer/10.8/3",
+        "producer/10.9/1",
+    ),
+)
 def _no_length_check() -> None:
     original = planning._place
 
@@ -42,7 +59,12 @@ def _no_length_check() -> None:
     replace(planning, "_place", place)
 
 
-@mutant("aligns-by-position", "prefill", "pairs its regions with D's by position, not by name")
+@mutant(
+    "aligns-by-position",
+    "prefill",
+    "pairs its regions with D's by position, not by name",
+    cases=("producer/10.7/1",),
+)
 def _aligns_by_position() -> None:
     original = planning._align
 
@@ -54,12 +76,22 @@ def _aligns_by_position() -> None:
     replace(planning, "_align", align)
 
 
-@mutant("no-alignment-check", "prefill", "never compares the layer and group of aligned regions")
+@mutant(
+    "no-alignment-check",
+    "prefill",
+    "never compares the layer and group of aligned regions",
+    cases=("producer/10.7/2",),
+)
 def _no_alignment_check() -> None:
     replace(planning, "_mismatch", lambda src, dst: None)
 
 
-@mutant("first-blocks-on-prefix-hit", "prefill", "sends its first n blocks, not its last n")
+@mutant(
+    "first-blocks-on-prefix-hit",
+    "prefill",
+    "sends its first n blocks, not its last n",
+    cases=("producer/10.6/1",),
+)
 def _first_blocks_on_prefix_hit() -> None:
     original = planning._select
 
@@ -73,7 +105,12 @@ def _first_blocks_on_prefix_hit() -> None:
     replace(planning, "_select", select)
 
 
-@mutant("pp-aligns-exact", "prefill", "aligns the exact layer sets whatever the PP sizes")
+@mutant(
+    "pp-aligns-exact",
+    "prefill",
+    "aligns the exact layer sets whatever the PP sizes",
+    cases=("producer/10.2/1",),
+)
 def _pp_aligns_exact() -> None:
     original = planning._align
 
@@ -87,6 +124,7 @@ def _pp_aligns_exact() -> None:
     "replicas-all-write",
     "prefill",
     "every P rank that holds a replica of the KV writes it, not only the first of each group",
+    cases=("producer/10.8/5",),
 )
 def _replicas_all_write() -> None:
     original = planning._shards
@@ -101,6 +139,11 @@ def _replicas_all_write() -> None:
     "coalesces-slices",
     "prefill",
     "writes runs of blocks with one descriptor also when a slice is not a whole block",
+    cases=(
+        "producer/10.8/1",
+        "producer/10.8/2",
+        "producer/10.8/4",
+    ),
 )
 def _coalesces_slices() -> None:
     replace(planning, "_coalesces", lambda rp: True)
@@ -110,6 +153,7 @@ def _coalesces_slices() -> None:
     "runs-by-source-only",
     "prefill",
     "writes a run of P's consecutive blocks with one descriptor whatever D's block ids are",
+    cases=("producer/10.8/6",),
 )
 def _runs_by_source_only() -> None:
     original = planning._runs
@@ -124,6 +168,7 @@ def _runs_by_source_only() -> None:
     "blocks-as-kernel-blocks",
     "prefill",
     "takes each block id for one kernel block when a block holds several",
+    cases=("producer/10.6/2",),
 )
 def _blocks_as_kernel_blocks() -> None:
     original = planning.descriptors
@@ -138,6 +183,7 @@ def _blocks_as_kernel_blocks() -> None:
     "window-unclipped",
     "prefill",
     "keeps, and sends, every block of a prompt in its sliding-window KV-cache group (10.4.7)",
+    cases=("producer/10.4/4",),
 )
 def keep_every_block() -> None:
     """The node keeps every block of a prompt in each KV-cache group."""
@@ -150,6 +196,7 @@ def keep_every_block() -> None:
     "keeps-null-blocks",
     "prefill",
     "compares and copies a state-space group's null-block placeholders like blocks (10.6.3)",
+    cases=("producer/10.6/3",),
 )
 def _keeps_null_blocks() -> None:
     replace(planning, "_without_null_blocks", lambda blocks, groups: list(blocks))
@@ -159,6 +206,7 @@ def _keeps_null_blocks() -> None:
     "widens-packed-rows",
     "prefill",
     "copies a slice at the start of a packed row as the whole row, though layers were skipped",
+    cases=("producer/10.7/3",),
 )
 def _widens_packed_rows() -> None:
     original = planning._place
@@ -176,6 +224,7 @@ def _widens_packed_rows() -> None:
     "shared-region-one-group",
     "prefill",
     "copies a region its KV-cache groups share at the blocks of the first group only (10.6.7)",
+    cases=("producer/10.6/4",),
 )
 def _shared_region_one_group() -> None:
     original = planning._shared_groups

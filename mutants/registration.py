@@ -9,15 +9,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pdwire.http_models import RegisterReply, RegisterWorkerPayload
+from reference_connector import bootstrap_client
+from reference_connector.bootstrap_client import BootstrapError
+from reference_connector.dp_placement import LOOPBACK, DataParallel
+from reference_connector.producer_agent import ProducerAgent
 
-from .. import bootstrap_client
-from ..bootstrap_client import BootstrapError
-from ..dp_placement import LOOPBACK, DataParallel
-from ..producer_agent import ProducerAgent
 from . import mutant, replace
 
 if TYPE_CHECKING:
-    from ..node import NodeEngine
+    from reference_connector.node import NodeEngine
 
 
 def _register_with(**forced: Any) -> None:
@@ -30,12 +30,24 @@ def _register_with(**forced: Any) -> None:
     replace(bootstrap_client, "register", register)
 
 
-@mutant("register-four-attempts", "prefill", "makes a fourth registration attempt", at_start=True)
+@mutant(
+    "register-four-attempts",
+    "prefill",
+    "makes a fourth registration attempt",
+    at_start=True,
+    cases=("registration/4.4/1",),
+)
 def _register_four_attempts() -> None:
     _register_with(attempts=4)
 
 
-@mutant("register-no-backoff", "prefill", "retries a registration at once", at_start=True)
+@mutant(
+    "register-no-backoff",
+    "prefill",
+    "retries a registration at once",
+    at_start=True,
+    cases=("registration/4.4/1",),
+)
 def _register_no_backoff() -> None:
     _register_with(backoff=0.0)
 
@@ -45,6 +57,7 @@ def _register_no_backoff() -> None:
     "prefill",
     "waits for a registration answer without a timeout",
     at_start=True,
+    cases=("registration/4.4/1",),
 )
 def _register_unbounded_attempt() -> None:
     _register_with(timeout=None)
@@ -55,6 +68,7 @@ def _register_unbounded_attempt() -> None:
     "prefill",
     "fails an exhausted registration without 4.4-R5's message",
     at_start=True,
+    cases=("registration/4.4/1",),
 )
 def _register_vague_failure() -> None:
     original = bootstrap_client.register
@@ -75,6 +89,7 @@ def _register_vague_failure() -> None:
     "prefill",
     "retries a registration that the server answered with HTTP 400",
     at_start=True,
+    cases=("registration/4.4/2",),
 )
 def _register_retries_http_error() -> None:
     original = bootstrap_client.register
@@ -99,6 +114,7 @@ def _register_retries_http_error() -> None:
     "prefill",
     "serves pulls while its registration is still under way",
     at_start=True,
+    cases=("registration/4.4/3",),
 )
 def _serves_before_registered() -> None:
     async def _open(self: ProducerAgent) -> None:
@@ -114,6 +130,7 @@ def _serves_before_registered() -> None:
     "prefill",
     "only the worker of TP rank 0 and PP rank 0 registers",
     at_start=True,
+    cases=("registration/4.4/3",),
 )
 def _only_rank0_registers() -> None:
     original = ProducerAgent._register
@@ -127,7 +144,7 @@ def _only_rank0_registers() -> None:
 
 def _before_node_start(step: Callable[[NodeEngine], None]) -> None:
     """Run ``step`` on the node's engine before its start."""
-    from .. import node  # loads torch, which listing the mutants does not need
+    from reference_connector import node  # loads torch, which listing the mutants does not need
 
     original = node.NodeEngine.start
 
@@ -143,9 +160,10 @@ def _before_node_start(step: Callable[[NodeEngine], None]) -> None:
     "prefill",
     "starts its own bootstrap server although its workers register at an external one",
     at_start=True,
+    cases=("registration/4.4/3",),
 )
 def _external_bootstrap_served_too() -> None:
-    from ..bootstrap import BootstrapServer
+    from reference_connector.bootstrap import BootstrapServer
 
     def serve(engine: NodeEngine) -> None:
         c = engine.config
@@ -161,6 +179,7 @@ def _external_bootstrap_served_too() -> None:
     "prefill",
     "serves its own bootstrap server at 127.0.0.1 only, not at every address",
     at_start=True,
+    cases=("registration/4.4/5",),
 )
 def _own_bootstrap_on_loopback() -> None:
     def on_loopback(engine: NodeEngine) -> None:
@@ -174,6 +193,7 @@ def _own_bootstrap_on_loopback() -> None:
     "prefill",
     "takes an external bootstrap address without a port",
     at_start=True,
+    cases=("registration/4.4/4",),
 )
 def _bootstrap_address_unchecked() -> None:
     replace(bootstrap_client, "external_url", lambda a: a if "://" in a else f"http://{a}")
@@ -184,6 +204,7 @@ def _bootstrap_address_unchecked() -> None:
     "prefill",
     "a worker of TP rank above 0 registers one capability fewer than rank 0",
     at_start=True,
+    cases=("registration/4.4/3",),
 )
 def _workers_announce_apart() -> None:
     original = ProducerAgent._payload
@@ -205,6 +226,7 @@ def _workers_announce_apart() -> None:
     "prefill",
     "registers its DP index as dp_rank even when engines are local only",
     at_start=True,
+    cases=("registration/4.4/6",),
 )
 def _dp_rank_is_index() -> None:
     replace(DataParallel, "rank", property(lambda dp: dp.index))
@@ -215,6 +237,7 @@ def _dp_rank_is_index() -> None:
     "prefill",
     "serves the bootstrap server from DP index 0 only, even when engines are local only",
     at_start=True,
+    cases=("registration/4.4/6",),
 )
 def _dp_server_on_index_0() -> None:
     replace(DataParallel, "serves_bootstrap", property(lambda dp: dp.index == 0))
@@ -225,6 +248,7 @@ def _dp_server_on_index_0() -> None:
     "prefill",
     "registers at the DP master IP whatever the deployment",
     at_start=True,
+    cases=("registration/4.4/6",),
 )
 def _registers_at_master_ip() -> None:
     replace(DataParallel, "bootstrap_host", property(lambda dp: dp.master_ip))
@@ -235,6 +259,7 @@ def _registers_at_master_ip() -> None:
     "prefill",
     "registers at the DP master IP when one DP rank spans several nodes",
     at_start=True,
+    cases=("registration/4.4/6",),
 )
 def _ignores_dp_nodes() -> None:
     replace(

@@ -13,9 +13,14 @@ from . import mutant, replace
 # -- start-up --------------------------------------------------------------------------------
 
 
-@mutant("proxy-ready-early", "proxy", "routes completions before P is ready instead of 503")
+@mutant(
+    "proxy-ready-early",
+    "proxy",
+    "routes completions before P is ready instead of 503",
+    cases=("proxy/5.4/2",),
+)
 def _ready_early() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy.completion
 
@@ -36,11 +41,15 @@ def _ready_early() -> None:
     "proxy-query-before-health",
     "proxy",
     "polls P's /health but queries P's bootstrap server whatever it answers",
+    cases=(
+        "proxy/5.4/1",
+        "proxy/5.4/2",
+    ),
 )
 def _query_before_health() -> None:
     import httpx
 
-    from .. import bootstrap_client, proxy
+    from reference_connector import bootstrap_client, proxy
 
     async def check(self: proxy.Readiness, prefill: Any, client: httpx.AsyncClient) -> Any:
         try:
@@ -53,7 +62,12 @@ def _query_before_health() -> None:
     replace(proxy.Readiness, "_check", check)
 
 
-@mutant("proxy-bootstrap-port-8999", "proxy", "takes an omitted bootstrap port as 8999, not 8998")
+@mutant(
+    "proxy-bootstrap-port-8999",
+    "proxy",
+    "takes an omitted bootstrap port as 8999, not 8998",
+    cases=("proxy/5.4/17",),
+)
 def _bootstrap_port_8999() -> None:
     from pdwire import http_models
 
@@ -63,9 +77,14 @@ def _bootstrap_port_8999() -> None:
 # -- the legs' bodies ------------------------------------------------------------------------
 
 
-@mutant("proxy-same-transfer-id", "proxy", "gives every request the same transfer_id")
+@mutant(
+    "proxy-same-transfer-id",
+    "proxy",
+    "gives every request the same transfer_id",
+    cases=("proxy/5.4/3",),
+)
 def _same_transfer_id() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy._route
     fixed = f"xfer-{uuid.uuid4()}"
@@ -86,9 +105,10 @@ def _client_transfer_id(legs: Any, body: dict[str, Any]) -> Any:
     "proxy-reuses-client-transfer-id",
     "proxy",
     "uses the transfer_id of the client's kv_transfer_params when there is one",
+    cases=("proxy/5.4/4",),
 )
 def _reuses_client_transfer_id() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     p_body, d_body = proxy.Proxy.prefill_body, proxy.Proxy.decode_body
 
@@ -106,9 +126,10 @@ def _reuses_client_transfer_id() -> None:
     "proxy-merges-client-params",
     "proxy",
     "merges the client's kv_transfer_params (internal _ keys included) into both legs'",
+    cases=("proxy/5.1/1",),
 )
 def _merges_client_params() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     p_body, d_body = proxy.Proxy.prefill_body, proxy.Proxy.decode_body
 
@@ -128,9 +149,14 @@ def _merges_client_params() -> None:
     replace(proxy.Proxy, "decode_body", decode_body)
 
 
-@mutant("proxy-d-leg-own-transfer-id", "proxy", "gives the D leg a transfer_id other than P's")
+@mutant(
+    "proxy-d-leg-own-transfer-id",
+    "proxy",
+    "gives the D leg a transfer_id other than P's",
+    cases=("proxy/5.2/1",),
+)
 def _d_leg_own_transfer_id() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy.decode_body
 
@@ -140,9 +166,14 @@ def _d_leg_own_transfer_id() -> None:
     replace(proxy.Proxy, "decode_body", decode_body)
 
 
-@mutant("proxy-p-leg-streams", "proxy", "sends the P leg with the client's stream and options")
+@mutant(
+    "proxy-p-leg-streams",
+    "proxy",
+    "sends the P leg with the client's stream and options",
+    cases=("proxy/5.4/5",),
+)
 def _p_leg_streams() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy.prefill_body
 
@@ -160,9 +191,10 @@ def _p_leg_streams() -> None:
     "proxy-shares-leg-body",
     "proxy",
     "builds the D leg from the P leg's body (max_tokens 1, stream false)",
+    cases=("proxy/5.4/6",),
 )
 def _shares_leg_body() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy.decode_body
 
@@ -175,9 +207,14 @@ def _shares_leg_body() -> None:
 # -- the legs' headers -----------------------------------------------------------------------
 
 
-@mutant("proxy-request-id-per-leg", "proxy", "sends a different X-Request-Id on the D leg")
+@mutant(
+    "proxy-request-id-per-leg",
+    "proxy",
+    "sends a different X-Request-Id on the D leg",
+    cases=("proxy/5.4/8",),
+)
 def _request_id_per_leg() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy._decode_request
 
@@ -187,9 +224,14 @@ def _request_id_per_leg() -> None:
     replace(proxy.Proxy, "_decode_request", decode_request)
 
 
-@mutant("proxy-dp-rank-header-on-d-leg", "proxy", "sends X-data-parallel-rank on the D leg too")
+@mutant(
+    "proxy-dp-rank-header-on-d-leg",
+    "proxy",
+    "sends X-data-parallel-rank on the D leg too",
+    cases=("proxy/5.4/9",),
+)
 def _dp_rank_header_on_d_leg() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy._decode_request
 
@@ -205,9 +247,10 @@ def _dp_rank_header_on_d_leg() -> None:
     "proxy-dp-rank-always-0",
     "proxy",
     "sends X-data-parallel-rank 0 whichever DP rank's engine id it gave D",
+    cases=("proxy/5.4/9",),
 )
 def _dp_rank_always_0() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy._prefill_leg
 
@@ -218,9 +261,14 @@ def _dp_rank_always_0() -> None:
     replace(proxy.Proxy, "_prefill_leg", prefill_leg)
 
 
-@mutant("proxy-no-auth-on-d-leg", "proxy", "sends its API key on the P leg only")
+@mutant(
+    "proxy-no-auth-on-d-leg",
+    "proxy",
+    "sends its API key on the P leg only",
+    cases=("proxy/5.4/10",),
+)
 def _no_auth_on_d_leg() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy._decode_request
 
@@ -232,9 +280,14 @@ def _no_auth_on_d_leg() -> None:
     replace(proxy.Proxy, "_decode_request", decode_request)
 
 
-@mutant("proxy-bearer-none", "proxy", "sends 'Authorization: Bearer None' without a key (vLLM's)")
+@mutant(
+    "proxy-bearer-none",
+    "proxy",
+    "sends 'Authorization: Bearer None' without a key (vLLM's)",
+    cases=("proxy/5.4/11",),
+)
 def _bearer_none() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     def auth(self: proxy.Proxy) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
@@ -245,9 +298,14 @@ def _bearer_none() -> None:
 # -- answers and failures --------------------------------------------------------------------
 
 
-@mutant("proxy-serial-legs", "proxy", "waits for P's answer before it sends the D leg")
+@mutant(
+    "proxy-serial-legs",
+    "proxy",
+    "waits for P's answer before it sends the D leg",
+    cases=("proxy/5.4/7",),
+)
 def _serial_legs() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     for name in ("_unary", "_streaming"):
         original = getattr(proxy.Proxy, name)
@@ -264,11 +322,16 @@ def _serial_legs() -> None:
         replace(proxy.Proxy, name, after_p(original))
 
 
-@mutant("proxy-buffers-stream", "proxy", "reads D's whole stream before it answers the client")
+@mutant(
+    "proxy-buffers-stream",
+    "proxy",
+    "reads D's whole stream before it answers the client",
+    cases=("proxy/5.4/12",),
+)
 def _buffers_stream() -> None:
     from fastapi.responses import Response
 
-    from .. import proxy
+    from reference_connector import proxy
 
     async def start_stream(
         self: proxy.Proxy, legs: proxy._Legs, response: Any, prefill: Any
@@ -282,9 +345,18 @@ def _buffers_stream() -> None:
     replace(proxy.Proxy, "_start_stream", start_stream)
 
 
-@mutant("proxy-drops-p-error", "proxy", "ignores a failed P leg and returns D's answer (vLLM's)")
+@mutant(
+    "proxy-drops-p-error",
+    "proxy",
+    "ignores a failed P leg and returns D's answer (vLLM's)",
+    cases=(
+        "proxy/5.4/13",
+        "proxy/5.4/14",
+        "proxy/5.4/15",
+    ),
+)
 def _drops_p_error() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     original = proxy.Proxy._prefill_leg
 
@@ -294,9 +366,14 @@ def _drops_p_error() -> None:
     replace(proxy.Proxy, "_prefill_leg", prefill_leg)
 
 
-@mutant("proxy-hides-p-error", "proxy", "reports a failed P leg without P's error")
+@mutant(
+    "proxy-hides-p-error",
+    "proxy",
+    "reports a failed P leg without P's error",
+    cases=("proxy/5.4/13",),
+)
 def _hides_p_error() -> None:
-    from .. import proxy
+    from reference_connector import proxy
 
     def prefill_failed(self: proxy.Proxy, legs: proxy._Legs, what: str) -> str:
         return "prefill failed"
@@ -304,11 +381,16 @@ def _hides_p_error() -> None:
     replace(proxy.Proxy, "_prefill_failed", prefill_failed)
 
 
-@mutant("proxy-keeps-d-leg", "proxy", "lets the D leg run to its end after the P leg failed")
+@mutant(
+    "proxy-keeps-d-leg",
+    "proxy",
+    "lets the D leg run to its end after the P leg failed",
+    cases=("proxy/5.4/16",),
+)
 def _keeps_d_leg() -> None:
     import httpx
 
-    from .. import proxy
+    from reference_connector import proxy
 
     async def cancel(task: asyncio.Task[Any]) -> None:
         await asyncio.wait({task})

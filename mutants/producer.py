@@ -27,14 +27,23 @@ from pdwire.planning import Descriptors, target_ranks
 from pdwire.producer import ProducerSession
 from pdwire.transitions import TransferState
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION
+from reference_connector import producer_agent
 
-from .. import producer_agent
 from . import mutant, replace
 
 logger = logging.getLogger(__name__)
 
 
-@mutant("wrong-offset", "prefill", "writes every descriptor 64 bytes past where it belongs")
+@mutant(
+    "wrong-offset",
+    "prefill",
+    "writes every descriptor 64 bytes past where it belongs",
+    cases=(
+        "producer/3.4/1",
+        "producer/10.8/1",
+        "producer/10.8/2",
+    ),
+)
 def _wrong_offset() -> None:
     plan = planning.descriptors
 
@@ -47,7 +56,15 @@ def _wrong_offset() -> None:
     replace(producer_module, "descriptors", shifted)
 
 
-@mutant("reply-delimiter", "prefill", "sends each reply as [identity, b'', payload]")
+@mutant(
+    "reply-delimiter",
+    "prefill",
+    "sends each reply as [identity, b'', payload]",
+    cases=(
+        "pair/3.1/1",
+        "producer/3.1/1",
+    ),
+)
 def _reply_delimiter() -> None:
     def send(self: producer_agent.ProducerAgent, identity: bytes, data: bytes) -> None:
         assert self._sock is not None
@@ -63,6 +80,7 @@ def _reply_delimiter() -> None:
     "prefill",
     "answers a message of three frames instead of dropping it",
     at_start=True,
+    cases=("producer/3.1/2",),
 )
 def _answers_multi_frame() -> None:
     async def receive(self: producer_agent.ProducerAgent) -> None:
@@ -79,6 +97,7 @@ def _answers_multi_frame() -> None:
     "prefill",
     "stops serving its side channel for good after a message of three frames, as vLLM's P does",
     at_start=True,
+    cases=("producer/3.1/2",),
 )
 def _listener_exits_on_multi_frame() -> None:
     async def receive(self: producer_agent.ProducerAgent) -> None:
@@ -93,7 +112,23 @@ def _listener_exits_on_multi_frame() -> None:
     replace(producer_agent.ProducerAgent, "_receive", receive)
 
 
-@mutant("crash-on-malformed", "prefill", "the worker exits on a pull it cannot decode")
+@mutant(
+    "crash-on-malformed",
+    "prefill",
+    "the worker exits on a pull it cannot decode",
+    cases=(
+        "producer/2.1/5",
+        "producer/2.2/1",
+        "producer/2.2/2",
+        "producer/2.2/3",
+        "producer/2.3/2",
+        "producer/2.3/3",
+        "producer/2.3/4",
+        "producer/2.4/1",
+        "producer/2.4/3",
+        "producer/3.2/1",
+    ),
+)
 def _crash_on_malformed() -> None:
     original = ProducerSession._reply_error
 
@@ -114,7 +149,12 @@ def _crash_on_malformed() -> None:
     replace(ProducerSession, "_reply_error", reply_error)
 
 
-@mutant("no-error-codes", "prefill", "never sends err_code or err_codes, even to pdwire/2 D's")
+@mutant(
+    "no-error-codes",
+    "prefill",
+    "never sends err_code or err_codes, even to pdwire/2 D's",
+    cases=("producer/2.4/2",),
+)
 def _no_error_codes() -> None:
     def drop(reply: Any, agreement: Any) -> None:
         reply.err_code = None
@@ -123,7 +163,12 @@ def _no_error_codes() -> None:
     replace(producer_module, "_drop_unagreed_codes", drop)
 
 
-@mutant("accepts-any-rank", "prefill", "serves a pull from a D TP rank it is not paired with")
+@mutant(
+    "accepts-any-rank",
+    "prefill",
+    "serves a pull from a D TP rank it is not paired with",
+    cases=("producer/10.1/1",),
+)
 def _accepts_any_rank() -> None:
     original = ProducerSession._check_pull
 
@@ -141,12 +186,25 @@ def _accepts_any_rank() -> None:
     "packed-rows-across-pp",
     "prefill",
     "aligns a pull across PP sizes even when a region is an opaque packed row (10.2.8)",
+    cases=(
+        "producer/10.2/2",
+        "producer/10.2/4",
+    ),
 )
 def _packed_rows_across_pp() -> None:
     replace(ProducerSession, "_check_packed_rows", lambda self, msg: None)
 
 
-@mutant("v2-to-legacy", "prefill", "answers a legacy D with pdwire/2 fields (version, caps, codes)")
+@mutant(
+    "v2-to-legacy",
+    "prefill",
+    "answers a legacy D with pdwire/2 fields (version, caps, codes)",
+    cases=(
+        "pair/8.4/1",
+        "producer/2.1/6",
+        "producer/3.4/2",
+    ),
+)
 def _v2_to_legacy() -> None:
     original = ProducerSession._reply
 
@@ -160,7 +218,9 @@ def _v2_to_legacy() -> None:
 # -- replies --------------------------------------------------------------------------------
 
 
-@mutant("double-finish", "prefill", "sends the FINISH of every pull twice")
+@mutant(
+    "double-finish", "prefill", "sends the FINISH of every pull twice", cases=("producer/3.4/5",)
+)
 def _double_finish() -> None:
     original = ProducerSession._flush
 
@@ -173,7 +233,12 @@ def _double_finish() -> None:
     replace(ProducerSession, "_flush", flush)
 
 
-@mutant("no-continue", "prefill", "holds a pull's results until none of its requests waits")
+@mutant(
+    "no-continue",
+    "prefill",
+    "holds a pull's results until none of its requests waits",
+    cases=("producer/10.5/1",),
+)
 def _no_continue() -> None:
     original = ProducerSession._flush
 
@@ -184,7 +249,12 @@ def _no_continue() -> None:
     replace(ProducerSession, "_flush", flush)
 
 
-@mutant("ok-also-failed", "prefill", "lists its failed requests in ok_reqs too (unchecked)")
+@mutant(
+    "ok-also-failed",
+    "prefill",
+    "lists its failed requests in ok_reqs too (unchecked)",
+    cases=("producer/3.4/6",),
+)
 def _ok_also_failed() -> None:
     round_reply = ProducerSession._round_reply
 
@@ -204,7 +274,12 @@ def _ok_also_failed() -> None:
     replace(producer_module, "encode_response", unchecked)
 
 
-@mutant("unannounced-replies", "prefill", "answers a D that announced pdwire/2 as a legacy one")
+@mutant(
+    "unannounced-replies",
+    "prefill",
+    "answers a D that announced pdwire/2 as a legacy one",
+    cases=("producer/3.4/3",),
+)
 def _unannounced_replies() -> None:
     original = ProducerSession._reply
 
@@ -214,7 +289,12 @@ def _unannounced_replies() -> None:
     replace(ProducerSession, "_reply", reply)
 
 
-@mutant("repeats-ok", "prefill", "lists every served request twice in ok_reqs")
+@mutant(
+    "repeats-ok",
+    "prefill",
+    "lists every served request twice in ok_reqs",
+    cases=("producer/3.4/4",),
+)
 def _repeats_ok() -> None:
     original = ProducerSession._round_reply
 
@@ -227,7 +307,9 @@ def _repeats_ok() -> None:
     replace(ProducerSession, "_round_reply", round_reply)
 
 
-@mutant("reply-map32", "prefill", "writes every reply with a map 32 header")
+@mutant(
+    "reply-map32", "prefill", "writes every reply with a map 32 header", cases=("producer/2.1/6",)
+)
 def _reply_map32() -> None:
     def encode(reply: Reply, agreement: Any) -> bytes:
         data = encode_response(reply, agreement)
@@ -238,7 +320,12 @@ def _reply_map32() -> None:
     replace(producer_module, "encode_response", encode)
 
 
-@mutant("engine-error-ok", "prefill", "takes a failed batch write for a successful one")
+@mutant(
+    "engine-error-ok",
+    "prefill",
+    "takes a failed batch write for a successful one",
+    cases=("producer/10.5/2",),
+)
 def _engine_error_ok() -> None:
     original = ProducerSession._finish_round
 
@@ -248,7 +335,12 @@ def _engine_error_ok() -> None:
     replace(ProducerSession, "_finish_round", finish_round)
 
 
-@mutant("reply-before-write", "prefill", "replies at once; each write lands 0.5 s later")
+@mutant(
+    "reply-before-write",
+    "prefill",
+    "replies at once; each write lands 0.5 s later",
+    cases=("producer/3.4/1",),
+)
 def _reply_before_write() -> None:
     def start_write(self: producer_agent.ProducerAgent, write: StartWrite) -> None:
         def late() -> None:
@@ -264,7 +356,7 @@ def _reply_before_write() -> None:
 # -- the layout cache (§3.7) ------------------------------------------------------------------
 
 
-@mutant("no-layout-echo", "prefill", "never echoes the pull's layout_id")
+@mutant("no-layout-echo", "prefill", "never echoes the pull's layout_id", cases=("producer/3.7/2",))
 def _no_layout_echo() -> None:
     original = ProducerSession._round_reply
 
@@ -276,7 +368,12 @@ def _no_layout_echo() -> None:
     replace(ProducerSession, "_round_reply", reply)
 
 
-@mutant("miss-on-zero-layout", "prefill", "answers LAYOUT_MISS to any pull without a layout")
+@mutant(
+    "miss-on-zero-layout",
+    "prefill",
+    "answers LAYOUT_MISS to any pull without a layout",
+    cases=("producer/3.3/1",),
+)
 def _miss_on_zero_layout() -> None:
     original = ProducerSession._plan_for
 
@@ -286,7 +383,9 @@ def _miss_on_zero_layout() -> None:
     replace(ProducerSession, "_plan_for", plan_for)
 
 
-@mutant("miss-as-error", "prefill", "answers ERROR where LAYOUT_MISS is due")
+@mutant(
+    "miss-as-error", "prefill", "answers ERROR where LAYOUT_MISS is due", cases=("producer/3.7/1",)
+)
 def _miss_as_error() -> None:
     original = ProducerSession._reply_error
 
@@ -298,12 +397,22 @@ def _miss_as_error() -> None:
     replace(ProducerSession, "_reply_error", reply_error)
 
 
-@mutant("no-layout-cache", "prefill", "evicts every layout as soon as it is cached")
+@mutant(
+    "no-layout-cache",
+    "prefill",
+    "evicts every layout as soon as it is cached",
+    cases=("producer/3.7/2",),
+)
 def _no_layout_cache() -> None:
     replace(producer_module, "MAX_PEER_LAYOUTS", -1)
 
 
-@mutant("layout-cache-cleared-on-error", "prefill", "clears its layout cache at each ERROR reply")
+@mutant(
+    "layout-cache-cleared-on-error",
+    "prefill",
+    "clears its layout cache at each ERROR reply",
+    cases=("producer/3.7/4",),
+)
 def _layout_cache_cleared_on_error() -> None:
     original = ProducerSession._reply_error
 
@@ -315,7 +424,12 @@ def _layout_cache_cleared_on_error() -> None:
     replace(ProducerSession, "_reply_error", reply_error)
 
 
-@mutant("layout-key-by-id", "prefill", "looks a cached layout up by layout_id alone")
+@mutant(
+    "layout-key-by-id",
+    "prefill",
+    "looks a cached layout up by layout_id alone",
+    cases=("producer/3.7/3",),
+)
 def _layout_key_by_id() -> None:
     original = ProducerSession._plan_for
 
@@ -329,7 +443,12 @@ def _layout_key_by_id() -> None:
     replace(ProducerSession, "_plan_for", plan_for)
 
 
-@mutant("caches-mismatched-layout", "prefill", "caches a pull's layout before its other checks")
+@mutant(
+    "caches-mismatched-layout",
+    "prefill",
+    "caches a pull's layout before its other checks",
+    cases=("producer/3.6/3",),
+)
 def _caches_mismatched_layout() -> None:
     original = ProducerSession._on_pull
 
@@ -341,7 +460,12 @@ def _caches_mismatched_layout() -> None:
     replace(ProducerSession, "_on_pull", on_pull)
 
 
-@mutant("no-placeholders", "prefill", "answers a pull for an unknown transfer_id as expired")
+@mutant(
+    "no-placeholders",
+    "prefill",
+    "answers a pull for an unknown transfer_id as expired",
+    cases=("producer/10.4/1",),
+)
 def _no_placeholders() -> None:
     original = ProducerSession._on_pull
 
@@ -363,9 +487,12 @@ def _no_placeholders() -> None:
     "prefill",
     "each PP stage holds, registers and serves every layer of the model, not its own only",
     at_start=True,
+    cases=("producer/10.2/3",),
 )
 def _pp_serves_every_layer() -> None:
-    from ..kv_pool import KVPool  # loads torch, which listing the mutants does not need
+    from reference_connector.kv_pool import (
+        KVPool,
+    )  # loads torch, which listing the mutants does not need
 
     original_init, original_side = KVPool.__init__, KVPool.side
 
@@ -382,7 +509,7 @@ def _pp_serves_every_layer() -> None:
             self.pp_size, self.pp_rank = stage
         return dataclasses.replace(whole, pp_size=stage[0])
 
-    from .. import kv_content, node
+    from reference_connector import kv_content, node
 
     original_place = kv_content.place
 
@@ -411,12 +538,25 @@ def _set_need_send(need_send: Callable[[ProducerSession, XferMetadataV2], int]) 
     replace(ProducerSession, "_open_pull", open_pull)
 
 
-@mutant("early-free", "prefill", "frees a transfer's blocks once its first pull is served")
+@mutant(
+    "early-free",
+    "prefill",
+    "frees a transfer's blocks once its first pull is served",
+    cases=(
+        "producer/10.3/1",
+        "producer/10.3/2",
+    ),
+)
 def _early_free() -> None:
     _set_need_send(lambda self, msg: 1)
 
 
-@mutant("pp-count-ignored", "prefill", "counts one pull per paired D TP rank, whatever D's PP")
+@mutant(
+    "pp-count-ignored",
+    "prefill",
+    "counts one pull per paired D TP rank, whatever D's PP",
+    cases=("producer/10.3/2",),
+)
 def _pp_count_ignored() -> None:
     def paired(self: ProducerSession, msg: XferMetadataV2) -> int:
         side = self.config.side
@@ -429,6 +569,7 @@ def _pp_count_ignored() -> None:
     "need-send-follows-each-pull",
     "prefill",
     "counts the pulls it waits for anew from each pull that finds the transfer ready",
+    cases=("producer/10.3/5",),
 )
 def _need_send_follows_each_pull() -> None:
     original = ProducerSession._take_for_round
@@ -440,7 +581,12 @@ def _need_send_follows_each_pull() -> None:
     replace(ProducerSession, "_take_for_round", take_for_round)
 
 
-@mutant("error-frees", "prefill", "an ERROR reply frees the ready transfers its pull named")
+@mutant(
+    "error-frees",
+    "prefill",
+    "an ERROR reply frees the ready transfers its pull named",
+    cases=("producer/10.9/1",),
+)
 def _error_frees() -> None:
     original = ProducerSession._on_pull
 
@@ -457,7 +603,12 @@ def _error_frees() -> None:
     replace(ProducerSession, "_on_pull", on_pull)
 
 
-@mutant("err-counts-served", "prefill", "counts a pull that failed a request as serving it")
+@mutant(
+    "err-counts-served",
+    "prefill",
+    "counts a pull that failed a request as serving it",
+    cases=("producer/10.3/4",),
+)
 def _err_counts_served() -> None:
     original = ProducerSession._take_for_round
 
@@ -469,7 +620,12 @@ def _err_counts_served() -> None:
     replace(ProducerSession, "_take_for_round", take)
 
 
-@mutant("release-only-not-counted", "prefill", "does not count a release-only pull as served")
+@mutant(
+    "release-only-not-counted",
+    "prefill",
+    "does not count a release-only pull as served",
+    cases=("producer/10.3/3",),
+)
 def _release_only_not_counted() -> None:
     original = ProducerSession._take_for_round
 
@@ -488,7 +644,12 @@ def _release_only_not_counted() -> None:
 # -- timers (§6) ------------------------------------------------------------------------------
 
 
-@mutant("ready-timeout-as-error", "prefill", "ends a pull whose ready wait expired with ERROR")
+@mutant(
+    "ready-timeout-as-error",
+    "prefill",
+    "ends a pull whose ready wait expired with ERROR",
+    cases=("producer/10.4/2",),
+)
 def _ready_timeout_as_error() -> None:
     original = ProducerSession._pull_timer
 
@@ -513,7 +674,15 @@ def _skip_expiry(state: TransferState) -> None:
     replace(ProducerSession, "_expire", expire)
 
 
-@mutant("never-expires", "prefill", "keeps a ready transfer past its retention timer")
+@mutant(
+    "never-expires",
+    "prefill",
+    "keeps a ready transfer past its retention timer",
+    cases=(
+        "producer/6.4/2",
+        "producer/10.11/1",
+    ),
+)
 def _never_expires() -> None:
     _skip_expiry(TransferState.READY)
 
@@ -522,6 +691,7 @@ def _never_expires() -> None:
     "ready-wait-fixed",
     "prefill",
     "ends a pull's ready wait T after the pull, whatever became ready",
+    cases=("producer/6.3/3",),
 )
 def _ready_wait_fixed() -> None:
     original = ProducerSession._finish_round
@@ -540,6 +710,7 @@ def _ready_wait_fixed() -> None:
     "ready-wait-restarts-on-record",
     "prefill",
     "restarts a pull's ready wait when P records a transfer the pull waits for",
+    cases=("producer/6.3/3",),
 )
 def _ready_wait_restarts_on_record() -> None:
     original = ProducerSession._on_started
@@ -559,6 +730,7 @@ def _ready_wait_restarts_on_record() -> None:
     "expires-in-flight",
     "prefill",
     "expires a ready transfer at its timer even while a write from its blocks is in flight",
+    cases=("producer/6.3/2",),
 )
 def _expires_in_flight() -> None:
     original = ProducerSession._expire
@@ -573,12 +745,22 @@ def _expires_in_flight() -> None:
     replace(ProducerSession, "_expire", expire)
 
 
-@mutant("placeholders-never-expire", "prefill", "keeps a placeholder until its request comes")
+@mutant(
+    "placeholders-never-expire",
+    "prefill",
+    "keeps a placeholder until its request comes",
+    cases=("producer/10.11/2",),
+)
 def _placeholders_never_expire() -> None:
     _skip_expiry(TransferState.PLACEHOLDER)
 
 
-@mutant("placeholder-restarts", "prefill", "restarts a placeholder's expiry at each pull naming it")
+@mutant(
+    "placeholder-restarts",
+    "prefill",
+    "restarts a placeholder's expiry at each pull naming it",
+    cases=("producer/10.11/2",),
+)
 def _placeholder_restarts() -> None:
     original = ProducerSession._on_pull
 

@@ -35,20 +35,31 @@ from pdwire.planning import PlanError, descriptors
 from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.transitions import TERMINAL
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, Capability
+from reference_connector.worker_spec import WorkerSpec
 
-from ..node_worker import WorkerSpec
 from . import mutant, replace
 
 # -- negotiation (§8) -----------------------------------------------------------------------
 
 
-@mutant("no-code-filter", "prefill", "sends every error code, whether its capability is agreed")
+@mutant(
+    "no-code-filter",
+    "prefill",
+    "sends every error code, whether its capability is agreed",
+    cases=(
+        "producer/7.2/1",
+        "producer/7.2/2",
+    ),
+)
 def _no_code_filter() -> None:
     replace(producer_module, "_drop_unagreed_codes", lambda reply, agreement: None)
 
 
 @mutant(
-    "remembers-peer-version", "prefill", "answers a D worker as it announced in an earlier pull"
+    "remembers-peer-version",
+    "prefill",
+    "answers a D worker as it announced in an earlier pull",
+    cases=("producer/8.2/1",),
 )
 def _remembers_peer_version() -> None:
     original = ProducerSession._on_pull
@@ -66,7 +77,10 @@ def _remembers_peer_version() -> None:
 
 
 @mutant(
-    "newer-version-legacy", "prefill", "answers a D announcing a version above its own as legacy"
+    "newer-version-legacy",
+    "prefill",
+    "answers a D announcing a version above its own as legacy",
+    cases=("producer/8.1/1",),
 )
 def _newer_version_legacy() -> None:
     original = ProducerSession._agreement
@@ -80,7 +94,10 @@ def _newer_version_legacy() -> None:
 
 
 @mutant(
-    "rejects-unknown-caps", "prefill", "answers ERROR to a pull announcing a capability it lacks"
+    "rejects-unknown-caps",
+    "prefill",
+    "answers ERROR to a pull announcing a capability it lacks",
+    cases=("producer/8.2/2",),
 )
 def _rejects_unknown_caps() -> None:
     original = ProducerSession._check_pull
@@ -94,7 +111,13 @@ def _rejects_unknown_caps() -> None:
     replace(ProducerSession, "_check_pull", check)
 
 
-@mutant("upper-case-caps", "prefill", "announces its capabilities in upper case", at_start=True)
+@mutant(
+    "upper-case-caps",
+    "prefill",
+    "announces its capabilities in upper case",
+    at_start=True,
+    cases=("producer/8.5/1",),
+)
 def _upper_case_caps() -> None:
     original = ProducerSession.__init__
 
@@ -108,7 +131,12 @@ def _upper_case_caps() -> None:
 # -- fingerprint (§3.6) -----------------------------------------------------------------------
 
 
-@mutant("no-fingerprint-check", "prefill", "never compares a pull's fingerprint with its own")
+@mutant(
+    "no-fingerprint-check",
+    "prefill",
+    "never compares a pull's fingerprint with its own",
+    cases=("producer/3.6/1",),
+)
 def _no_fingerprint_check() -> None:
     original = ProducerSession._check_pull
 
@@ -118,7 +146,12 @@ def _no_fingerprint_check() -> None:
     replace(ProducerSession, "_check_pull", check)
 
 
-@mutant("requires-fingerprint", "prefill", "answers ERROR to a pdwire/2 pull without a fingerprint")
+@mutant(
+    "requires-fingerprint",
+    "prefill",
+    "answers ERROR to a pdwire/2 pull without a fingerprint",
+    cases=("producer/3.6/2",),
+)
 def _requires_fingerprint() -> None:
     original = ProducerSession._check_pull
 
@@ -135,6 +168,7 @@ def _requires_fingerprint() -> None:
     "prefill",
     "names another registered layout than its own in its fingerprint (3.6-R11)",
     at_start=True,
+    cases=("producer/3.6/4",),
 )
 def _misnames_layout() -> None:
     original = WorkerSpec.fingerprint
@@ -150,7 +184,12 @@ def _misnames_layout() -> None:
     replace(WorkerSpec, "fingerprint", fingerprint)
 
 
-@mutant("no-pp-size-check", "prefill", "never checks for a missing remote_pp_size (10.11.11)")
+@mutant(
+    "no-pp-size-check",
+    "prefill",
+    "never checks for a missing remote_pp_size (10.11.11)",
+    cases=("producer/10.11/6",),
+)
 def _no_pp_size_check() -> None:
     replace(ProducerSession, "_check_pp_size", lambda self, msg: None)
 
@@ -158,7 +197,15 @@ def _no_pp_size_check() -> None:
 # -- transfers P will not send, duplicates (§10.11) -------------------------------------------
 
 
-@mutant("stall-on-stop", "prefill", "frees a stop-token request's blocks but wakes no pull for it")
+@mutant(
+    "stall-on-stop",
+    "prefill",
+    "frees a stop-token request's blocks but wakes no pull for it",
+    cases=(
+        "producer/7.2/3",
+        "producer/10.11/3",
+    ),
+)
 def _stall_on_stop() -> None:
     def will_not_send(self: ProducerSession, ev: TransferWillNotSend, now: float) -> None:
         self._out.append(FreeBlocks(ev.p_req_id, ev.transfer_id, FreeReason.WILL_NOT_SEND))
@@ -166,7 +213,12 @@ def _stall_on_stop() -> None:
     replace(ProducerSession, "_on_will_not_send", will_not_send)
 
 
-@mutant("duplicate-overwrites", "prefill", "lets a request overwrite another's transfer_id state")
+@mutant(
+    "duplicate-overwrites",
+    "prefill",
+    "lets a request overwrite another's transfer_id state",
+    cases=("producer/10.11/5",),
+)
 def _duplicate_overwrites() -> None:
     original = ProducerSession._on_started
 
@@ -179,7 +231,12 @@ def _duplicate_overwrites() -> None:
     replace(ProducerSession, "_on_started", started)
 
 
-@mutant("unbound-transfer-ids", "prefill", "serves any d_req_id that names a transfer_id")
+@mutant(
+    "unbound-transfer-ids",
+    "prefill",
+    "serves any d_req_id that names a transfer_id",
+    cases=("producer/10.11/4",),
+)
 def _unbound_transfer_ids() -> None:
     original = ProducerSession._on_pull
 
@@ -197,6 +254,7 @@ def _unbound_transfer_ids() -> None:
     "will-not-send-is-bound",
     "prefill",
     "answers Duplicate transfer_id to another d_req_id naming a transfer P will not send",
+    cases=("producer/10.11/3",),
 )
 def _will_not_send_is_bound() -> None:
     def binds(self: ProducerSession, t: Any, d_req: str) -> bool:
@@ -207,7 +265,12 @@ def _will_not_send_is_bound() -> None:
     replace(ProducerSession, "_binds", binds)
 
 
-@mutant("reused-id-stalls", "prefill", "loses a request whose transfer_id was used and served")
+@mutant(
+    "reused-id-stalls",
+    "prefill",
+    "loses a request whose transfer_id was used and served",
+    cases=("producer/10.4/3",),
+)
 def _reused_id_stalls() -> None:
     started, finished = ProducerSession._on_started, ProducerSession._on_finished
     reused: set[str] = set()
@@ -230,7 +293,12 @@ def _reused_id_stalls() -> None:
 # -- cancel (§3.5) ----------------------------------------------------------------------------
 
 
-@mutant("cancel-ignored", "prefill", "answers a cancel with an empty FINISH and does nothing")
+@mutant(
+    "cancel-ignored",
+    "prefill",
+    "answers a cancel with an empty FINISH and does nothing",
+    cases=("producer/3.5/1",),
+)
 def _cancel_ignored() -> None:
     def on_cancel(
         self: ProducerSession, ev: MessageReceived, cancel: XferCancel, now: float
@@ -245,6 +313,7 @@ def _cancel_ignored() -> None:
     "cancel-reply-in-flight",
     "prefill",
     "answers a cancel at once, while a write to that D worker for a listed request is in flight",
+    cases=("producer/3.5/4",),
 )
 def _cancel_reply_in_flight() -> None:
     original = ProducerSession._on_cancel
@@ -268,6 +337,7 @@ def _cancel_reply_in_flight() -> None:
     "prefill",
     "ends a cancelled pull as it must, yet writes the withdrawn request's blocks once its "
     "transfer is ready",
+    cases=("producer/3.5/3",),
 )
 def _writes_after_cancel() -> None:
     on_cancel = ProducerSession._on_cancel
@@ -305,7 +375,12 @@ def _writes_after_cancel() -> None:
     replace(ProducerSession, "_on_write_completed", write_completed)
 
 
-@mutant("cancel-not-counted", "prefill", "does not count a cancelled pull as settled")
+@mutant(
+    "cancel-not-counted",
+    "prefill",
+    "does not count a cancelled pull as settled",
+    cases=("producer/3.5/2",),
+)
 def _cancel_not_counted() -> None:
     original = ProducerSession._settle
 
@@ -318,7 +393,12 @@ def _cancel_not_counted() -> None:
     replace(ProducerSession, "_settle", settle)
 
 
-@mutant("cancel-lists-all", "prefill", "lists every d_req_id of a cancel as cancelled")
+@mutant(
+    "cancel-lists-all",
+    "prefill",
+    "lists every d_req_id of a cancel as cancelled",
+    cases=("producer/3.5/1",),
+)
 def _cancel_lists_all() -> None:
     original = ProducerSession._on_cancel
 
@@ -342,7 +422,12 @@ def _cancel_lists_all() -> None:
 # -- deadline (§6.2) --------------------------------------------------------------------------
 
 
-@mutant("ignores-deadline", "prefill", "never stops waiting at a pull's deadline_ms")
+@mutant(
+    "ignores-deadline",
+    "prefill",
+    "never stops waiting at a pull's deadline_ms",
+    cases=("producer/6.3/1",),
+)
 def _ignores_deadline() -> None:
     original = ProducerSession._open_pull
 

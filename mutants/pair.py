@@ -34,10 +34,16 @@ def _status(data: bytes) -> XferResponseStatus | None:
 
 
 @mutant(
-    "d-recompute-silent", "decode", "computes the prompt itself instead of loading it; HTTP 200"
+    "d-recompute-silent",
+    "decode",
+    "computes the prompt itself instead of loading it; HTTP 200",
+    cases=(
+        "pair/5.2/4",
+        "pair/5.2/5",
+    ),
 )
 def _d_recompute_silent() -> None:
-    from .. import node
+    from reference_connector import node
 
     async def decode_remote(self: node.NodeEngine, job: node.Job, p: dict[str, Any]) -> Any:
         return await self._local(job)
@@ -49,9 +55,10 @@ def _d_recompute_silent() -> None:
     "d-recompute-after-load",
     "decode",
     "loads the KV, then decodes from a local prefill of the prompt, claiming it loaded it",
+    cases=("pair/5.2/5",),
 )
 def _d_recompute_after_load() -> None:
-    from .. import node
+    from reference_connector import node
 
     original = node.NodeEngine._load
 
@@ -68,9 +75,10 @@ def _d_recompute_after_load() -> None:
     "d-cached-tokens-rounded",
     "decode",
     "reports remote_prefill_cached_tokens as the prompt's blocks times the block size",
+    cases=("pair/5.3/2",),
 )
 def _d_cached_tokens_rounded() -> None:
-    from .. import node
+    from reference_connector import node
 
     original = node.NodeEngine._decode_remote
 
@@ -91,6 +99,7 @@ def _d_cached_tokens_rounded() -> None:
     "d-announces-to-legacy",
     "decode",
     "announces pdwire/2 even to a P its bootstrap shows as legacy",
+    cases=("pair/8.3/1",),
 )
 def _d_announces_to_legacy() -> None:
     from pdwire.consumer import ConsumerSession
@@ -106,7 +115,12 @@ def _d_announces_to_legacy() -> None:
     replace(ConsumerSession, "_agreement", agreement)
 
 
-@mutant("d-pulls-one-rank", "decode", "pulls only from the first of the P workers it pairs with")
+@mutant(
+    "d-pulls-one-rank",
+    "decode",
+    "pulls only from the first of the P workers it pairs with",
+    cases=("pair/10.1/1",),
+)
 def _d_pulls_one_rank() -> None:
     from pdwire.consumer import ConsumerSession
 
@@ -119,7 +133,10 @@ def _d_pulls_one_rank() -> None:
 
 
 @mutant(
-    "d-decodes-early", "decode", "takes a request as loaded when the first of its pulls is served"
+    "d-decodes-early",
+    "decode",
+    "takes a request as loaded when the first of its pulls is served",
+    cases=("pair/10.10/1",),
 )
 def _d_decodes_early() -> None:
     from pdwire.consumer import ConsumerSession
@@ -135,9 +152,14 @@ def _d_decodes_early() -> None:
     replace(ConsumerSession, "_settle", settle)
 
 
-@mutant("d-pull-delimiter", "decode", "sends each pull as two frames [b'', payload]")
+@mutant(
+    "d-pull-delimiter",
+    "decode",
+    "sends each pull as two frames [b'', payload]",
+    cases=("pair/3.1/2",),
+)
 def _d_pull_delimiter() -> None:
-    from .. import consumer_agent
+    from reference_connector import consumer_agent
 
     def send_pull(self: consumer_agent.ConsumerAgent, pull: Any) -> None:
         sock = self._ctx.socket(zmq.DEALER)
@@ -156,6 +178,7 @@ def _d_pull_delimiter() -> None:
     "d-skips-layout",
     "decode",
     "omits its layout from the first pull to each P worker, as if that worker had echoed it",
+    cases=("pair/9.3/1",),
 )
 def _d_skips_layout() -> None:
     from pdwire.consumer import ConsumerSession
@@ -172,9 +195,14 @@ def _d_skips_layout() -> None:
     replace(ConsumerSession, "_send_pull", send_pull)
 
 
-@mutant("d-ignores-deadline", "decode", "ignores deadline_ms in kv_transfer_params")
+@mutant(
+    "d-ignores-deadline",
+    "decode",
+    "ignores deadline_ms in kv_transfer_params",
+    cases=("pair/5.2/6",),
+)
 def _d_ignores_deadline() -> None:
-    from .. import node
+    from reference_connector import node
 
     original = node.NodeEngine._decode_remote
 
@@ -187,9 +215,18 @@ def _d_ignores_deadline() -> None:
 # -- P ---------------------------------------------------------------------------------------
 
 
-@mutant("p-garbage", "prefill", "writes the KV of other tokens than the prompt's")
+@mutant(
+    "p-garbage",
+    "prefill",
+    "writes the KV of other tokens than the prompt's",
+    cases=(
+        "pair/5.2/1",
+        "pair/5.2/2",
+        "pair/5.2/3",
+    ),
+)
 def _p_garbage() -> None:
-    from ..kv_pool import KVPool
+    from reference_connector.kv_pool import KVPool
 
     original = KVPool.write_prompt
 
@@ -199,9 +236,17 @@ def _p_garbage() -> None:
     replace(KVPool, "write_prompt", write_prompt)
 
 
-@mutant("p-double-finish", "prefill", "sends every terminal reply twice")
+@mutant(
+    "p-double-finish",
+    "prefill",
+    "sends every terminal reply twice",
+    cases=(
+        "pair/3.4/1",
+        "pair/3.4/2",
+    ),
+)
 def _p_double_finish() -> None:
-    from ..producer_agent import ProducerAgent
+    from reference_connector.producer_agent import ProducerAgent
 
     original = ProducerAgent._send
 
@@ -213,9 +258,14 @@ def _p_double_finish() -> None:
     replace(ProducerAgent, "_send", send)
 
 
-@mutant("p-forgets-ok", "prefill", "ends each served pull with FINISH listing no request")
+@mutant(
+    "p-forgets-ok",
+    "prefill",
+    "ends each served pull with FINISH listing no request",
+    cases=("pair/3.4/2",),
+)
 def _p_forgets_ok() -> None:
-    from ..producer_agent import ProducerAgent
+    from reference_connector.producer_agent import ProducerAgent
 
     original = ProducerAgent._send
 
@@ -232,7 +282,12 @@ def _p_forgets_ok() -> None:
     replace(ProducerAgent, "_send", send)
 
 
-@mutant("p-mute-version", "prefill", "answers a D that announced pdwire/2 without its version")
+@mutant(
+    "p-mute-version",
+    "prefill",
+    "answers a D that announced pdwire/2 without its version",
+    cases=("pair/3.4/3",),
+)
 def _p_mute_version() -> None:
     from pdwire.producer import ProducerSession
 
@@ -244,9 +299,17 @@ def _p_mute_version() -> None:
     replace(ProducerSession, "_reply", reply)
 
 
-@mutant("p-echoes-params", "prefill", "answers the P leg with its kv_transfer_params, not null")
+@mutant(
+    "p-echoes-params",
+    "prefill",
+    "answers the P leg with its kv_transfer_params, not null",
+    cases=(
+        "pair/5.3/1",
+        "producer/5.3/1",
+    ),
+)
 def _p_echoes_params() -> None:
-    from .. import node
+    from reference_connector import node
 
     original = node.NodeEngine._prefill_remote
 
@@ -258,9 +321,9 @@ def _p_echoes_params() -> None:
     replace(node.NodeEngine, "_prefill_remote", prefill_remote)
 
 
-@mutant("p-keeps-blocks", "prefill", "never frees a sent transfer's blocks")
+@mutant("p-keeps-blocks", "prefill", "never frees a sent transfer's blocks", cases=("pair/10.9/1",))
 def _p_keeps_blocks() -> None:
-    from .. import node
+    from reference_connector import node
 
     original = node.NodeEngine._on_send_event
 
@@ -276,9 +339,10 @@ def _p_keeps_blocks() -> None:
     "prefill",
     "on a stop token as the only prefill token, frees its blocks but answers no waiting pull "
     "(vLLM 0.33: D waits out P's ready wait)",
+    cases=("pair/10.11/1",),
 )
 def _p_stall_on_stop() -> None:
-    from ..producer_agent import ProducerAgent
+    from reference_connector.producer_agent import ProducerAgent
 
     def will_not_send(
         self: ProducerAgent, transfer_id: str, p_req_id: str, reason: str = ""
@@ -288,9 +352,14 @@ def _p_stall_on_stop() -> None:
     replace(ProducerAgent, "transfer_will_not_send", will_not_send)
 
 
-@mutant("p-leg-needs-transfer-id", "prefill", "refuses a P leg whose params lack transfer_id")
+@mutant(
+    "p-leg-needs-transfer-id",
+    "prefill",
+    "refuses a P leg whose params lack transfer_id",
+    cases=("producer/5.1/2",),
+)
 def _p_leg_needs_transfer_id() -> None:
-    from .. import node
+    from reference_connector import node
 
     original = node.NodeEngine.generate
 

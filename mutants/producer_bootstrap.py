@@ -10,13 +10,18 @@ from fastapi import FastAPI
 
 from pdwire import error_strings
 from pdwire.http_models import EngineEntry, RegisterWorkerPayload
+from reference_connector import bootstrap
+from reference_connector.bootstrap import RegistrationRejected, Registry
 
-from .. import bootstrap
-from ..bootstrap import RegistrationRejected, Registry
 from . import mutant, replace
 
 
-@mutant("register-no-validation", "prefill", "stores a registration body without validating it")
+@mutant(
+    "register-no-validation",
+    "prefill",
+    "stores a registration body without validating it",
+    cases=("producer/4.1/1",),
+)
 def _register_no_validation() -> None:
     def parse(raw: bytes, auth_key: bytes | None) -> RegisterWorkerPayload:
         return RegisterWorkerPayload.model_construct(**json.loads(raw))
@@ -24,7 +29,15 @@ def _register_no_validation() -> None:
     replace(bootstrap, "_parse_body", parse)
 
 
-@mutant("register-last-wins", "prefill", "a conflicting registration replaces the one held")
+@mutant(
+    "register-last-wins",
+    "prefill",
+    "a conflicting registration replaces the one held",
+    cases=(
+        "producer/4.1/4",
+        "producer/4.1/5",
+    ),
+)
 def _register_last_wins() -> None:
     original = Registry.register
 
@@ -39,7 +52,12 @@ def _register_last_wins() -> None:
     replace(Registry, "register", register)
 
 
-@mutant("reregister-rejected", "prefill", "answers an identical re-registration with HTTP 400")
+@mutant(
+    "reregister-rejected",
+    "prefill",
+    "answers an identical re-registration with HTTP 400",
+    cases=("producer/4.1/3",),
+)
 def _reregister_rejected() -> None:
     original = Registry.register
 
@@ -60,7 +78,15 @@ def _reregister_rejected() -> None:
     replace(Registry, "register", register)
 
 
-@mutant("query-swaps-ranks", "prefill", "lists worker_addr by pp_rank, then tp_rank")
+@mutant(
+    "query-swaps-ranks",
+    "prefill",
+    "lists worker_addr by pp_rank, then tp_rank",
+    cases=(
+        "producer/3.1/3",
+        "producer/4.1/2",
+    ),
+)
 def _query_swaps_ranks() -> None:
     original = bootstrap._Engine.entry
 
@@ -75,7 +101,12 @@ def _query_swaps_ranks() -> None:
     replace(bootstrap._Engine, "entry", entry)
 
 
-@mutant("query-drops-fields", "prefill", "leaves pdwire_caps and fingerprint out of /query")
+@mutant(
+    "query-drops-fields",
+    "prefill",
+    "leaves pdwire_caps and fingerprint out of /query",
+    cases=("producer/4.1/6",),
+)
 def _query_drops_fields() -> None:
     original = bootstrap._Engine._announcement
 
@@ -86,7 +117,13 @@ def _query_drops_fields() -> None:
     replace(bootstrap._Engine, "_announcement", announcement)
 
 
-@mutant("no-health", "prefill", "the bootstrap server has no GET /health", at_start=True)
+@mutant(
+    "no-health",
+    "prefill",
+    "the bootstrap server has no GET /health",
+    at_start=True,
+    cases=("producer/4.3/1",),
+)
 def _no_health() -> None:
     original = bootstrap.create_app
 
@@ -98,9 +135,14 @@ def _no_health() -> None:
     replace(bootstrap, "create_app", create_app)
 
 
-@mutant("bootstrap-no-body-limit", "prefill", "reads a request body of any length")
+@mutant(
+    "bootstrap-no-body-limit",
+    "prefill",
+    "reads a request body of any length",
+    cases=("producer/4.1/7",),
+)
 def _bootstrap_no_body_limit() -> None:
-    from .. import body_limit
+    from reference_connector import body_limit
 
     async def call(self: body_limit.BodyLimit, scope: Any, receive: Any, send: Any) -> None:
         await self.app(scope, receive, send)

@@ -17,7 +17,12 @@ from . import mutant, replace
 # -- P ------------------------------------------------------------------------------------------
 
 
-@mutant("renewal-ignored", "prefill", "answers a lease renewal FINISH but moves no lease")
+@mutant(
+    "renewal-ignored",
+    "prefill",
+    "answers a lease renewal FINISH but moves no lease",
+    cases=("producer/6.4/1",),
+)
 def _renewal_ignored() -> None:
     def on_heartbeat(self: ProducerSession, ev: Any, heartbeat: Any, now: float) -> None:
         self._reply(ev.identity, None, Reply(Status.FINISH))
@@ -29,6 +34,7 @@ def _renewal_ignored() -> None:
     "lease-as-abort-timeout",
     "prefill",
     "holds a finished transfer for VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, not for its lease",
+    cases=("producer/6.4/2",),
 )
 def _lease_as_abort_timeout() -> None:
     original = ProducerSession._on_finished
@@ -47,6 +53,7 @@ def _lease_as_abort_timeout() -> None:
     "forgets-expired",
     "prefill",
     "forgets an expired transfer at once: a later pull waits out its ready wait",
+    cases=("producer/6.4/2",),
 )
 def _forgets_expired() -> None:
     original = ProducerSession._expire
@@ -63,6 +70,7 @@ def _forgets_expired() -> None:
     "renewal-creates-transfer",
     "prefill",
     "makes a placeholder for each renewed transfer it does not hold, over its tombstone",
+    cases=("producer/6.4/3",),
 )
 def _renewal_creates_transfer() -> None:
     original = ProducerSession._on_heartbeat
@@ -80,7 +88,12 @@ def _renewal_creates_transfer() -> None:
     replace(ProducerSession, "_on_heartbeat", on_heartbeat)
 
 
-@mutant("renewal-without-lease", "prefill", "a P without a lease answers renewals FINISH")
+@mutant(
+    "renewal-without-lease",
+    "prefill",
+    "a P without a lease answers renewals FINISH",
+    cases=("producer/6.4/4",),
+)
 def _renewal_without_lease() -> None:
     original = ProducerSession._on_heartbeat
 
@@ -93,7 +106,12 @@ def _renewal_without_lease() -> None:
     replace(ProducerSession, "_on_heartbeat", on_heartbeat)
 
 
-@mutant("heartbeat-unanswered", "prefill", "renews a lease but sends no reply")
+@mutant(
+    "heartbeat-unanswered",
+    "prefill",
+    "renews a lease but sends no reply",
+    cases=("producer/3.9/1",),
+)
 def _heartbeat_unanswered() -> None:
     original = ProducerSession._on_heartbeat
 
@@ -108,6 +126,7 @@ def _heartbeat_unanswered() -> None:
     "empty-heartbeat-accepted",
     "prefill",
     "answers a heartbeat that names no transfer FINISH, not as the decode error it is",
+    cases=("producer/3.9/2",),
 )
 def _empty_heartbeat_accepted() -> None:
     original = ProducerSession._on_message
@@ -124,7 +143,12 @@ def _empty_heartbeat_accepted() -> None:
 # -- D ------------------------------------------------------------------------------------------
 
 
-@mutant("d-renews-at-load-only", "decode", "renews a lease only once the request is loading")
+@mutant(
+    "d-renews-at-load-only",
+    "decode",
+    "renews a lease only once the request is loading",
+    cases=("consumer/6.4/2",),
+)
 def _d_renews_at_load_only() -> None:
     def on_queued(self: ConsumerSession, ev: Any, now: float) -> None:
         pass
@@ -132,7 +156,12 @@ def _d_renews_at_load_only() -> None:
     replace(ConsumerSession, "_on_queued", on_queued)
 
 
-@mutant("d-renews-after-settle", "decode", "goes on renewing a request that loaded")
+@mutant(
+    "d-renews-after-settle",
+    "decode",
+    "goes on renewing a request that loaded",
+    cases=("consumer/6.4/1",),
+)
 def _d_renews_after_settle() -> None:
     original = ConsumerSession._finish
 
@@ -145,7 +174,12 @@ def _d_renews_after_settle() -> None:
     replace(ConsumerSession, "_finish", finish)
 
 
-@mutant("d-renews-every-lease", "decode", "renews once every lease, not every sixth of it")
+@mutant(
+    "d-renews-every-lease",
+    "decode",
+    "renews once every lease, not every sixth of it",
+    cases=("consumer/6.4/1",),
+)
 def _d_renews_every_lease() -> None:
     def period(self: ConsumerSession) -> float:
         assert self.config.lease is not None
@@ -158,6 +192,7 @@ def _d_renews_every_lease() -> None:
     "d-renews-after-release",
     "decode",
     "goes on renewing a request it sent a release-only pull for",
+    cases=("consumer/6.4/2",),
 )
 def _d_renews_after_release() -> None:
     original = ConsumerSession._on_loads
@@ -171,7 +206,12 @@ def _d_renews_after_release() -> None:
     replace(ConsumerSession, "_on_loads", on_loads)
 
 
-@mutant("d-renews-one-worker", "decode", "sends each renewal to the first P worker only")
+@mutant(
+    "d-renews-one-worker",
+    "decode",
+    "sends each renewal to the first P worker only",
+    cases=("consumer/6.4/1",),
+)
 def _d_renews_one_worker() -> None:
     original = ConsumerSession._renew
 
@@ -189,6 +229,7 @@ def _d_renews_one_worker() -> None:
     "d-fails-on-refused-renewal",
     "decode",
     "fails every request of an engine whose P refused a renewal",
+    cases=("consumer/3.9/1",),
 )
 def _d_fails_on_refused_renewal() -> None:
     original = ConsumerSession._on_reply

@@ -1,11 +1,11 @@
-"""Showing that every case can fail: each mutant of the reference testee against the cases that
-name it, every one of which must fail (``pdwire conformance mutants --check``).
+"""Showing that every case can fail: each mutant of the reference testee against the cases it
+names, every one of which must fail (``python -m mutants check``).
 
 One testbed per layout of testees (``selftest.LAYOUTS``) serves every mutant that can be switched
-on in a running node: a mutant is switched on, its cases run, it is switched off, and the node
-must then be healthy and hold no block, or it is restarted. A mutant that needs a node of its
-own (one that changes the node's configuration), or that survives in a switched node, is run once
-more on a fresh node: a patch that takes effect only at start-up shows there.
+on in a running node: a mutant is switched on (``preload.switch``), its cases run, it is switched
+off, and the node must then be healthy and hold no block, or it is restarted. A mutant that needs
+a node of its own (``at_start``), or that survives in a switched node, is run once more on a
+fresh node: a patch that takes effect only at start-up shows there.
 """
 
 from __future__ import annotations
@@ -13,16 +13,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
 
+from conformance import testees
+from conformance.case import Case, Suite, Verdict
+from conformance.runner import RunOptions
+from conformance.selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites, testbed
 from pdwire.roles import Role
 
-from . import testees
-from .case import Case, Suite, Verdict
-from .runner import RunOptions
-from .selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites, testbed
+from . import MUTANTS, Mutant, preload
+
+T = TypeVar("T")
 
 #: Longer than the testees' timers: what a mutant run left behind must be freed by then.
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
@@ -57,31 +64,40 @@ class MutantResult:
         return Verdict.PASS.value not in self.verdicts.values() and not self.caught
 
 
+def cases_of(m: Mutant, cases: Sequence[Case]) -> list[Case]:
+    """Those of ``cases`` that ``m`` names."""
+    return [c for c in cases if c.id in m.cases]
+
+
 async def _on_own_node(
-    name: str, role: str, cases: Sequence[Case], timeout: float, layout: Layout
+    m: Mutant, cases: Sequence[Case], timeout: float, layout: Layout
 ) -> dict[str, str]:
-    async with testbed(roles_for(cases), layout, mutant=name, role=role) as bed:
+    async with testbed(roles_for(cases), layout, {m.role: preload.environ(m.name)}) as bed:
         results = await run_suites(bed, cases, _EVERY_CASE, None, timeout)
     return {r.case.id: r.verdict.value for r in results}
+
+
+def _switch_folder(bed: Testbed, role: Role) -> Path:
+    return Path(bed.env_of(role)[preload.SWITCH_ENV])
 
 
 async def _switched(
     bed: Testbed, name: str, role: Role, cases: Sequence[Case], timeout: float
 ) -> dict[str, str]:
     node = bed.nodes[role]
-    await asyncio.to_thread(node.set_mutant, name)
+    await asyncio.to_thread(preload.switch, _switch_folder(bed, role), name)
     try:
         results = await run_suites(bed, cases, _EVERY_CASE, None, timeout)
     finally:
         if node.alive():
-            await asyncio.to_thread(node.set_mutant, "")
+            await asyncio.to_thread(preload.switch, _switch_folder(bed, role), "")
     for r in sorted(bed.nodes):
         if not await asyncio.to_thread(bed.nodes[r].settled, SETTLE_S):
             await bed.restart(r)
     return {r.case.id: r.verdict.value for r in results}
 
 
-def groups_of(names: Sequence[str], jobs: int) -> list[list[str]]:
+def groups_of(names: Sequence[T], jobs: int) -> list[list[T]]:
     """``names`` in at most ``jobs`` groups of about one size, in their order, to check side by
     side, each group in testees of its own."""
     if not names:
@@ -101,29 +117,28 @@ async def check_mutants(
     layout those cases run in (``selftest.layout_of``). With ``jobs`` above 1, groups
     of mutants (``groups_of``) are checked side by side, each group in testbeds of its own;
     the mutants whose cases start testees of their own are checked beside them."""
-    info = testees.mutants()
-    unknown = [n for n in names if n not in info]
+    unknown = [n for n in names if n not in MUTANTS]
     if unknown:
         raise RuntimeError(f"no such mutants: {', '.join(unknown)}")
-    alone = [n for n in names if _own_testee_per_case(n, cases)]
-    shared = [n for n in names if n not in alone]
+    chosen = [MUTANTS[n] for n in names]
+    alone = [m for m in chosen if _own_testee_per_case(m, cases)]
+    shared = [m for m in chosen if m not in alone]
     found = await asyncio.gather(
-        *(_check_group(g, info, cases, timeout, on_result) for g in groups_of(shared, jobs)),
-        _check_side_by_side(alone, info, cases, timeout, on_result),
+        *(_check_group(g, cases, timeout, on_result) for g in groups_of(shared, jobs)),
+        _check_side_by_side(alone, cases, timeout, on_result),
     )
     by_name = {r.name: r for group in found for r in group}
     return [by_name[n] for n in names]
 
 
-def _own_testee_per_case(name: str, cases: Sequence[Case]) -> bool:
-    """Whether every case that names mutant ``name`` starts a testee of its own."""
-    mine = [c for c in cases if name in c.caught_by]
+def _own_testee_per_case(m: Mutant, cases: Sequence[Case]) -> bool:
+    """Whether every case that ``m`` names starts a testee of its own."""
+    mine = cases_of(m, cases)
     return bool(mine) and all(c.suite is Suite.REGISTRATION for c in mine)
 
 
 async def _check_side_by_side(
-    names: Sequence[str],
-    info: dict[str, testees.MutantInfo],
+    chosen: Sequence[Mutant],
     cases: Sequence[Case],
     timeout: float,
     on_result: Callable[[MutantResult], None] | None,
@@ -131,23 +146,20 @@ async def _check_side_by_side(
     """Mutants whose cases each start their own testee, SIDE_BY_SIDE at a time."""
     slots = asyncio.Semaphore(SIDE_BY_SIDE)
 
-    async def one(name: str) -> MutantResult:
-        m = info[name]
-        mine = [c for c in cases if name in c.caught_by]
+    async def one(m: Mutant) -> MutantResult:
         async with slots:
             t0 = time.monotonic()
-            verdicts = await _on_own_node(name, m.role, mine, timeout, DEFAULT)
-            result = MutantResult(name, m.role, "own node", verdicts, time.monotonic() - t0)
+            verdicts = await _on_own_node(m, cases_of(m, cases), timeout, DEFAULT)
+            result = MutantResult(m.name, m.role, "own node", verdicts, time.monotonic() - t0)
         if on_result is not None:
             on_result(result)
         return result
 
-    return list(await asyncio.gather(*(one(n) for n in names)))
+    return list(await asyncio.gather(*(one(m) for m in chosen)))
 
 
 async def _check_group(
-    names: Sequence[str],
-    info: dict[str, testees.MutantInfo],
+    chosen: Sequence[Mutant],
     cases: Sequence[Case],
     timeout: float,
     on_result: Callable[[MutantResult], None] | None,
@@ -155,17 +167,23 @@ async def _check_group(
     out: list[MutantResult] = []
     beds: dict[Layout, Testbed] = {}
     roles = {layout: roles_for(mine) for layout, mine in by_layout(cases).items()}
+    folders = Path(tempfile.mkdtemp(prefix="pdwire-mutants-"))
 
     async def bed(layout: Layout) -> Testbed:
         if layout not in beds:
-            beds[layout] = Testbed(layout)
-            await beds[layout].start(roles[layout], mutant_control=True)
+            environ: dict[str, dict[str, str]] = {}
+            for role in roles[layout]:
+                folder = folders / f"{len(beds)}-{role}"
+                folder.mkdir()
+                environ[role] = preload.environ(switch=folder)
+            beds[layout] = Testbed(layout, environ=environ)
+            await beds[layout].start(roles[layout])
         return beds[layout]
 
-    async def check(m: testees.MutantInfo) -> MutantResult:
-        mine = [c for c in cases if m.name in c.caught_by]
+    async def check(m: Mutant) -> MutantResult:
+        mine = cases_of(m, cases)
         if m.role == "proxy":  # on a proxy of its own, which the proxy suite starts
-            verdicts = await _on_own_node(m.name, m.role, mine, timeout, DEFAULT)
+            verdicts = await _on_own_node(m, mine, timeout, DEFAULT)
             return MutantResult(m.name, m.role, "own node", verdicts)
         result = MutantResult(m.name, m.role, "switched", {})
         for layout, theirs in by_layout(mine).items():
@@ -175,9 +193,9 @@ async def _check_group(
         return result
 
     try:
-        for name in names:
+        for m in chosen:
             t0 = time.monotonic()
-            result = await check(info[name])
+            result = await check(m)
             result.seconds = time.monotonic() - t0
             out.append(result)
             if on_result is not None:
@@ -185,12 +203,13 @@ async def _check_group(
     finally:
         for b in beds.values():
             await b.stop()
+        shutil.rmtree(folders, ignore_errors=True)
     return out
 
 
 async def _with_retry(
     bed: Callable[[], Awaitable[Testbed]],
-    m: testees.MutantInfo,
+    m: Mutant,
     cases: Sequence[Case],
     timeout: float,
     layout: Layout,
@@ -216,7 +235,7 @@ async def _with_retry(
 
 async def _check_one(
     bed: Callable[[], Awaitable[Testbed]],
-    m: testees.MutantInfo,
+    m: Mutant,
     cases: Sequence[Case],
     timeout: float,
     layout: Layout,
@@ -233,7 +252,7 @@ async def _check_one(
             )
         result.mode = "own node"
         for attempt in range(TRIES):
-            result.verdicts = await _on_own_node(m.name, m.role, cases, timeout, layout)
+            result.verdicts = await _on_own_node(m, cases, timeout, layout)
             if result.caught or not result.inconclusive or attempt == TRIES - 1:
                 break
             print(

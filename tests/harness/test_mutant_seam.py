@@ -1,0 +1,70 @@
+"""How a mutant reaches a process from outside: its environment applies it at start-up, and
+a process started to serve switching takes another one, or none, while it runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mutants import preload
+
+#: Prints the mutant it applies, waits for a line, prints it again.
+SHOW = "import sys, mutants; print(mutants._active, flush=True); sys.stdin.readline(); " \
+    "print(mutants._active, flush=True)"  # fmt: skip
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    env = preload.environ("early-free", switch=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SHOW], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        yield proc, tmp_path
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_the_environment_applies_a_mutant_and_a_switch_changes_it(
+    child: tuple[subprocess.Popen[str], Path],
+) -> None:
+    proc, folder = child
+    assert proc.stdout is not None and proc.stdin is not None
+    assert proc.stdout.readline().strip() == "early-free"
+    assert preload.switch(folder, "v2-to-legacy", timeout=10) == 1
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline().strip() == "v2-to-legacy"
+
+
+def test_a_switch_to_no_such_mutant_is_refused(child: tuple[subprocess.Popen[str], Path]) -> None:
+    proc, folder = child
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "early-free"
+    with pytest.raises(RuntimeError, match="no mutant 'nope'"):
+        preload.switch(folder, "nope", timeout=10)
+
+
+def test_a_switch_with_no_process_left_says_so(child: tuple[subprocess.Popen[str], Path]) -> None:
+    proc, folder = child
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "early-free"
+    proc.kill()
+    proc.wait(10)
+    with pytest.raises(RuntimeError, match="no process serves"):
+        preload.switch(folder, "", timeout=10)
+    assert not list(folder.glob("*.sock"))  # the killed process's socket is cleared
+
+
+def test_a_process_without_the_environment_loads_no_mutant() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, pdwire; print('mutants' in sys.modules)"],
+        capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert out.strip() == "False"
