@@ -93,5 +93,11 @@ WORKER_ALREADY_REGISTERED: Final = (
     "at {registered_addr}, but still want to register at {addr}"
 )
 
+# -- a P worker that could not register (4.4-R5) ---------------------------------------------------
+REGISTRATION_FAILED: Final = (
+    "Failed to register {payload} with the Mooncake bootstrap server at {url} after "
+    "{attempts} attempts."
+)
+
 # -- configuration of where P workers register (4.4-R12) -------------------------------------------
 BOOTSTRAP_ADDRESS_INVALID: Final = "bootstrap_server_address must specify a host and port"

@@ -15,7 +15,6 @@ PDWIRE_2: Final[Profile] = "pdwire/2"
 
 #: Wire version of each profile. Version 1 is what vLLM 0.34 speaks; it never announces it.
 WIRE_VERSION: Final[dict[Profile, int]] = {LEGACY: 1, PDWIRE_2: 2}
-PROFILE_OF_VERSION: Final[dict[int, Profile]] = {v: p for p, v in WIRE_VERSION.items()}
 #: The highest wire version this library speaks.
 CURRENT_VERSION: Final = 2
 

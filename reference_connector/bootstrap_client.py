@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from pdwire import error_strings
 from pdwire.errors import DecodeError
 from pdwire.http_models import (
     QueryResponse,
@@ -102,8 +103,7 @@ async def register(
             raise _http_error("registration", endpoint, response)
         return _decode(RegisterReply, response)
     raise BootstrapError(
-        f"Failed to register {payload} with the Mooncake bootstrap server at {url} after "
-        f"{attempts} attempts."
+        error_strings.REGISTRATION_FAILED.format(payload=payload, url=url, attempts=attempts)
     )
 
 

@@ -79,15 +79,6 @@ def kv_blocks(
     return out
 
 
-def expected_blocks(
-    shape: KVShape, ids: Sequence[int], tp_size: int, tp_rank: int, pp_size: int, pp_rank: int
-) -> torch.Tensor:
-    """The exact content of the blocks of worker (tp_rank, pp_rank) after the prompt ``ids``:
-    [its layers, 2, blocks, its heads, block_size, head_dim] in the node's dtype."""
-    layers, heads = shape.layers(pp_size, pp_rank), shape.heads(tp_size, tp_rank)
-    return kv_blocks(shape, ids, layers, heads).view(shape.torch_dtype)
-
-
 def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) -> list[int]:
     """What any node decodes after prompt ``ids`` (computed here, in one slice)."""
     layers, heads = range(shape.num_layers), range(shape.num_kv_heads)

@@ -45,8 +45,6 @@ BOOTSTRAP_TIMEOUT_S: Final = 2.0
 CONNECT_TIMEOUT_S: Final = 10.0  # connecting to an upstream, when completions have no timeout
 EXCERPT_CHARS: Final = 500  # of an upstream's error body, in the message to the client
 SSE_MEDIA_TYPE: Final = "text/event-stream"
-COMPLETION_PATHS: Final = ("/v1/completions", "/v1/chat/completions")
-
 T = TypeVar("T")
 
 
