@@ -31,7 +31,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description="Run an engine node with vLLM's OpenAI HTTP surface and MooncakeConnector's "
         "kv_transfer_params handling, but no model: its KV is a fixed function of the tokens, "
         "transferred by real workers (one process per TP/PP rank) over Mooncake and ZMQ. "
-        "D checks every loaded byte. Serves until SIGINT or SIGTERM; prints its URL once ready.",
+        "D checks every loaded byte. POST /sleep and POST /wake_up unregister and register "
+        "again its KV memory (vLLM's sleep mode). A request whose client goes away while it "
+        "waits for free blocks stops waiting, and a D leg then sends P a release-only pull "
+        "(10.10.8). Serves until SIGINT or SIGTERM; prints its URL once ready.",
     )
     p.add_argument("--role", choices=("prefill", "decode"))
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
