@@ -110,11 +110,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_vectors(args: argparse.Namespace) -> int:
-    directory = Path(args.dir)
     if args.action == "write":
-        written = vectors.write(directory)
-        print(f"wrote {len(written)} files to {directory}")
+        if args.dir is None:
+            print("pdwire vectors: write needs --dir", file=sys.stderr)
+            return EXIT_USAGE
+        written = vectors.write(Path(args.dir))
+        print(f"wrote {len(written)} files to {args.dir}")
         return EXIT_OK
+    directory = vectors.packaged() if args.dir is None else Path(args.dir)
     outcomes = vectors.check(directory)
     if not outcomes:
         print(f"no vectors in {directory}", file=sys.stderr)
@@ -228,11 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "vectors",
         help="write or check the golden wire vectors",
-        description="'check' decodes every vector in DIR and compares it with its JSON; "
-        "'write' regenerates them from the code.",
+        description="'check' decodes every vector and compares it with its JSON: the vectors "
+        "that ship with pdwire, or those in DIR (another implementation's, for instance). "
+        "'write' regenerates them from the code into DIR.",
     )
     p.add_argument("action", choices=["check", "write"])
-    p.add_argument("--dir", default="spec/vectors", metavar="DIR")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="the vectors' directory (check: default the packaged vectors; write: required)",
+    )
     p.add_argument("--print", action="store_true", help="with check: print each decoded message")
     p.set_defaults(func=cmd_vectors)
 

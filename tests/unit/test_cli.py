@@ -10,7 +10,7 @@ import pytest
 from pdwire import cli, encode_pull
 from pdwire.vectors import seed_pull
 
-SPEC = Path(__file__).resolve().parents[2] / "spec"
+VECTORS = Path(__file__).resolve().parents[2] / "pdwire" / "data" / "vectors"
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -53,13 +53,13 @@ def test_decode_names_a_vllm_034_heartbeat(
 
 
 def test_decode_reports_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "bad-tp-rank.msgpack"))
+    code, _, err = run(capsys, "decode", str(VECTORS / "bad-tp-rank.msgpack"))
     assert code == 1
     assert "$.remote_tp_rank" in err and "§3.2" in err
 
 
 def test_decode_hints_at_json_input(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "pull-legacy-minimal.json"))
+    code, _, err = run(capsys, "decode", str(VECTORS / "pull-legacy-minimal.json"))
     assert code == 1
     assert "looks like JSON" in err
 
@@ -155,5 +155,17 @@ def test_a_command_whose_extra_is_missing_explains_itself(
     code, _, err = run(capsys, "bootstrap")
     assert code == 2
     assert "fastapi" in err and "pdwire[runtime]" in err
-    code, out, _ = run(capsys, "decode", str(SPEC / "vectors" / "response-legacy-finish.msgpack"))
+    code, out, _ = run(capsys, "decode", str(VECTORS / "response-legacy-finish.msgpack"))
     assert code == 0 and '"kind": "response"' in out
+
+
+def test_vectors_check_reads_the_packaged_vectors_by_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "vectors", "check")
+    assert code == 0 and out.strip().endswith(" passed, 0 failed")
+
+
+def test_vectors_write_needs_a_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "vectors", "write")
+    assert code == 2 and "--dir" in err
