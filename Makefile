@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # Importing vLLM makes torch's compile cache folder; keep it inside the repo, not in /tmp.
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/torchinductor
-EXTRAS := runtime,mooncake,test,vllm,docs
+EXTRAS := node,test,vllm,docs
 # pip repeats a warning for every package about index folders this machine lacks; drop only those.
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 
