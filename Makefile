@@ -104,4 +104,4 @@ spec-tables: $(STAMP)
 	$(VENV)/bin/pdwire spec-tables --write
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
