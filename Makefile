@@ -9,7 +9,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 # Importing vLLM makes torch's compile cache folder; keep it inside the repo, not in /tmp.
 export TORCHINDUCTOR_CACHE_DIR := $(CURDIR)/$(VENV)/torchinductor
-EXTRAS := runtime,mooncake,test,vllm,docs
+EXTRAS := node,test,vllm,docs
 # pip repeats a warning for every package about index folders this machine lacks; drop only those.
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 
@@ -23,7 +23,7 @@ help:
 	@echo "make docs       build the spec site into docs/_build/html, examples run, warnings as errors"
 	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
 	@echo "make fuzz       coverage-guided fuzzing of every decoder and both sessions (FUZZ_SECONDS=60 per target)"
-	@echo "make schemas | vectors | spec-tables   regenerate spec/ from the code"
+	@echo "make schemas | vectors | spec-tables   regenerate the spec's generated parts from the code"
 
 # System libraries the Mooncake transfer engine needs even over TCP.
 sysdeps:
@@ -93,14 +93,15 @@ FUZZ_ARGS ?=
 fuzz: $(STAMP)
 	$(PY) -m fuzz --target all --seconds $(FUZZ_SECONDS) $(FUZZ_ARGS)
 
+# The schemas and vectors ship in the package; spec/schemas and spec/vectors link to them.
 schemas: $(STAMP)
-	$(VENV)/bin/pdwire schema --out spec/schemas
+	$(VENV)/bin/pdwire schema --out pdwire/data/schemas
 
 vectors: $(STAMP)
-	$(VENV)/bin/pdwire vectors write
+	$(VENV)/bin/pdwire vectors write --dir pdwire/data/vectors
 
 spec-tables: $(STAMP)
 	$(VENV)/bin/pdwire spec-tables --write
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .hypothesis .benchmarks

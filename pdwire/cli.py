@@ -16,6 +16,7 @@ import msgspec
 from . import __version__, spectables, vectors
 from .codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
 from .errors import PdwireError
+from .extras import COMMANDS, install_hint, missing
 from .legacy import older_variants
 from .messages import LeaseHeartbeat, XferCancel, XferMetadataV2, XferResponseV2
 from .schema import schemas
@@ -110,11 +111,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_vectors(args: argparse.Namespace) -> int:
-    directory = Path(args.dir)
     if args.action == "write":
-        written = vectors.write(directory)
-        print(f"wrote {len(written)} files to {directory}")
+        if args.dir is None:
+            print("pdwire vectors: write needs --dir", file=sys.stderr)
+            return EXIT_USAGE
+        written = vectors.write(Path(args.dir))
+        print(f"wrote {len(written)} files to {args.dir}")
         return EXIT_OK
+    directory = vectors.packaged() if args.dir is None else Path(args.dir)
     outcomes = vectors.check(directory)
     if not outcomes:
         print(f"no vectors in {directory}", file=sys.stderr)
@@ -228,11 +232,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "vectors",
         help="write or check the golden wire vectors",
-        description="'check' decodes every vector in DIR and compares it with its JSON; "
-        "'write' regenerates them from the code.",
+        description="'check' decodes every vector and compares it with its JSON: the vectors "
+        "that ship with pdwire, or those in DIR (another implementation's, for instance). "
+        "'write' regenerates them from the code into DIR.",
     )
     p.add_argument("action", choices=["check", "write"])
-    p.add_argument("--dir", default="spec/vectors", metavar="DIR")
+    p.add_argument(
+        "--dir",
+        metavar="DIR",
+        help="the vectors' directory (check: default the packaged vectors; write: required)",
+    )
     p.add_argument("--print", action="store_true", help="with check: print each decoded message")
     p.set_defaults(func=cmd_vectors)
 
@@ -287,30 +296,82 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_simulate)
     for command in entry_points(group=COMMANDS_GROUP):
+        needs = COMMANDS.get(command.name, ())
         try:
             module = command.load()
-        except ImportError as exc:  # an extra that is not installed: say how to get it
-            _unavailable(sub, command.name, exc)
+        except ImportError as exc:
+            _unavailable(sub, command.name, needs, exc)
         else:
-            module.add_parser(sub)
+            module.add_parser(_NamingExtras(sub, needs))
     return parser
 
 
-def _unavailable(sub: Any, name: str, exc: ImportError) -> None:
-    reason = f"needs a package that is not installed ({exc}); pip install 'pdwire[runtime]'"
+class _NamingExtras:
+    """The subparsers as another package's command sees them: the help of what it adds names
+    the extras the command needs, and main checks them before it runs."""
+
+    def __init__(self, sub: Any, extras: tuple[str, ...]) -> None:
+        self._sub, self._extras = sub, extras
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if self._extras:
+            if "help" in kwargs:
+                kwargs["help"] = f"{kwargs['help']} (needs {_extra_names(self._extras)})"
+            kwargs.setdefault(
+                "epilog", f"Needs {_extra_names(self._extras)}: {install_hint(self._extras)}"
+            )
+        parser: argparse.ArgumentParser = self._sub.add_parser(name, **kwargs)
+        parser.set_defaults(pdwire_extras=self._extras)
+        return parser
+
+
+def _extra_names(extras: tuple[str, ...]) -> str:
+    return f"pdwire[{','.join(extras)}]"
+
+
+def _not_installed(extras: tuple[str, ...], exc: ImportError | None = None) -> str | None:
+    """Why a command cannot run here, naming what to install; None if nothing is missing."""
+    absent = missing(extras)
+    if absent:
+        what = f"not installed: {', '.join(absent)}"
+    elif isinstance(exc, ModuleNotFoundError) and exc.name:
+        what = f"not installed: {exc.name}"
+    elif exc is not None:
+        what = f"cannot load: {exc}"
+    else:
+        return None
+    return f"{what}; {install_hint(extras)}" if extras else what
+
+
+def _unavailable(sub: Any, name: str, extras: tuple[str, ...], exc: ImportError) -> None:
+    reason = _not_installed(extras, exc)
 
     def fail(args: argparse.Namespace) -> int:
         print(f"pdwire {name}: {reason}", file=sys.stderr)
         return EXIT_USAGE
 
-    p = sub.add_parser(name, help=f"(unavailable: {reason})", description=reason)
-    p.set_defaults(func=fail)
+    short = f"needs {_extra_names(extras)}" if extras else reason
+    p = sub.add_parser(name, help=f"(unavailable: {short})", description=reason)
+    p.set_defaults(func=fail, unavailable=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # An unavailable command takes any arguments: it only says what to install.
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "unavailable", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    extras: tuple[str, ...] = getattr(args, "pdwire_extras", ())
+    # Checked here, before the command starts processes that would each fail on the import.
+    reason = _not_installed(extras)
+    if reason:
+        print(f"pdwire {args.command}: {reason}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         code: int = args.func(args)
+    except ModuleNotFoundError as exc:  # a package that the command's extras do not name
+        print(f"pdwire {args.command}: {_not_installed(extras, exc)}", file=sys.stderr)
+        return EXIT_USAGE
     except OSError as exc:
         print(f"pdwire: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,11 +1,14 @@
 """JSON Schemas (2020-12) of every message and HTTP document, generated from the code.
 
-``spec/schemas/`` holds their rendering; a test fails when the two drift.
+Their rendering ships inside the package (``pdwire/data/schemas/``, which ``spec/schemas`` links
+to); a test fails when the two drift.
 """
 
 from __future__ import annotations
 
 import json
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from typing import Any, Final
 
 import msgspec
@@ -53,6 +56,11 @@ def schema_of(name: str) -> dict[str, Any]:
     else:
         body = HTTP_DOCUMENTS[name].model_json_schema()
     return {"$schema": DIALECT, "$id": f"{ID_BASE}{name}.json", **body}
+
+
+def packaged() -> Traversable:
+    """The directory of the schema files that ship with pdwire, one ``NAME.json`` each."""
+    return files("pdwire") / "data" / "schemas"
 
 
 def schemas() -> dict[str, str]:

@@ -1,5 +1,7 @@
-"""Golden wire vectors (``spec/vectors/``): every message, status and profile, each older variant,
-and malformed inputs with the error they must raise.
+"""Golden wire vectors: every message, status and profile, each older variant, and malformed
+inputs with the error they must raise. They ship inside the package (``pdwire/data/vectors/``,
+which ``spec/vectors`` links to), so an installed pdwire can check itself or another
+implementation's copy.
 
 Each vector is a ``NAME.msgpack`` file of exact bytes beside a ``NAME.json`` file that says which
 decoder reads it and what must come out: the decoded message (as msgspec builtins; bytes in
@@ -13,6 +15,8 @@ import dataclasses
 import json
 import random
 from collections.abc import Callable
+from importlib.resources import files
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -619,12 +623,20 @@ class Outcome:
     message: Any = None  # the decoded message as JSON, when it decoded
 
 
-def check(directory: Path) -> list[Outcome]:
+def packaged() -> Traversable:
+    """The directory of the vectors that ship with pdwire."""
+    return files("pdwire") / "data" / "vectors"
+
+
+def check(directory: Traversable) -> list[Outcome]:
     """Decode every vector in ``directory`` and compare with its expectation."""
+    if not directory.is_dir():
+        return []
     outcomes = []
-    for doc_path in sorted(directory.glob("*.json")):
+    docs = [e for e in directory.iterdir() if e.name.endswith(".json")]
+    for doc_path in sorted(docs, key=lambda e: e.name):
         doc = json.loads(doc_path.read_text())
-        data = doc_path.with_suffix(".msgpack").read_bytes()
+        data = directory.joinpath(doc_path.name.removesuffix(".json") + ".msgpack").read_bytes()
         ok, detail, message = _check_one(doc, data)
         outcomes.append(Outcome(doc["name"], ok, detail, message))
     return outcomes

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import EntryPoint
 from pathlib import Path
 
 import pytest
 
 from pdwire import cli, encode_pull
 from pdwire.vectors import seed_pull
+from reference_connector import cli_node
 
-SPEC = Path(__file__).resolve().parents[2] / "spec"
+VECTORS = Path(__file__).resolve().parents[2] / "pdwire" / "data" / "vectors"
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -53,13 +55,13 @@ def test_decode_names_a_vllm_034_heartbeat(
 
 
 def test_decode_reports_invalid_input(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "bad-tp-rank.msgpack"))
+    code, _, err = run(capsys, "decode", str(VECTORS / "bad-tp-rank.msgpack"))
     assert code == 1
     assert "$.remote_tp_rank" in err and "§3.2" in err
 
 
 def test_decode_hints_at_json_input(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "decode", str(SPEC / "vectors" / "pull-legacy-minimal.json"))
+    code, _, err = run(capsys, "decode", str(VECTORS / "pull-legacy-minimal.json"))
     assert code == 1
     assert "looks like JSON" in err
 
@@ -155,5 +157,67 @@ def test_a_command_whose_extra_is_missing_explains_itself(
     code, _, err = run(capsys, "bootstrap")
     assert code == 2
     assert "fastapi" in err and "pdwire[runtime]" in err
-    code, out, _ = run(capsys, "decode", str(SPEC / "vectors" / "response-legacy-finish.msgpack"))
+    code, out, _ = run(capsys, "decode", str(VECTORS / "response-legacy-finish.msgpack"))
     assert code == 0 and '"kind": "response"' in out
+
+
+def test_vectors_check_reads_the_packaged_vectors_by_default(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, _ = run(capsys, "vectors", "check")
+    assert code == 0 and out.strip().endswith(" passed, 0 failed")
+
+
+def test_vectors_write_needs_a_directory(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "vectors", "write")
+    assert code == 2 and "--dir" in err
+
+
+def test_an_unavailable_command_takes_any_arguments(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Broken:
+        name = "conformance"
+
+        def load(self) -> None:
+            raise ModuleNotFoundError("No module named 'httpx'", name="httpx")
+
+    monkeypatch.setattr(cli, "entry_points", lambda group: [Broken()])
+    monkeypatch.setattr(cli, "missing", lambda extras: [])
+    code, _, err = run(capsys, "conformance", "producer", "--p", "http://x")
+    assert code == 2
+    assert (
+        err == "pdwire conformance: not installed: httpx; pip install 'pdwire[runtime,mooncake]'\n"
+    )
+
+
+def test_a_command_checks_its_extras_before_it_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its help names them; a missing package stops it before it starts anything."""
+    started = []
+    node = EntryPoint("node", "reference_connector.cli_node", cli.COMMANDS_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [node])
+    monkeypatch.setattr(cli, "missing", lambda extras: ["torch"] if "node" in extras else [])
+    monkeypatch.setattr(cli_node, "run", lambda args: started.append(args) or 0)
+    with pytest.raises(SystemExit):
+        cli.main(["node", "--help"])
+    assert "pip install 'pdwire[node]'" in capsys.readouterr().out
+    code, _, err = run(capsys, "node", "--role", "decode")
+    assert code == 2 and not started
+    assert err == "pdwire node: not installed: torch; pip install 'pdwire[node]'\n"
+
+
+def test_an_import_that_fails_while_a_command_runs_names_its_extras(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def run_node(args: object) -> int:
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    node = EntryPoint("node", "reference_connector.cli_node", cli.COMMANDS_GROUP)
+    monkeypatch.setattr(cli, "entry_points", lambda group: [node])
+    monkeypatch.setattr(cli, "missing", lambda extras: [])
+    monkeypatch.setattr(cli_node, "run", run_node)
+    code, _, err = run(capsys, "node", "--role", "decode")
+    assert code == 2
+    assert err == "pdwire node: not installed: torch; pip install 'pdwire[node]'\n"

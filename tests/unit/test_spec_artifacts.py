@@ -1,4 +1,5 @@
-"""The generated parts of spec/ match the code: schemas, golden vectors, tables."""
+"""The generated parts of the spec match the code: schemas and golden vectors (which ship in the
+package, pdwire/data/, and which spec/ links to), and the tables of spec/*.md."""
 
 from __future__ import annotations
 
@@ -8,21 +9,31 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from pdwire import spectables, vectors
+from pdwire import schema, spectables, vectors
 from pdwire.schema import HTTP_DOCUMENTS, MSGPACK_MESSAGES, schema_of, schemas
 
-SPEC = Path(__file__).resolve().parents[2] / "spec"
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "spec"
+SCHEMAS = ROOT / "pdwire" / "data" / "schemas"
+VECTORS = ROOT / "pdwire" / "data" / "vectors"
+
+
+def test_the_packaged_files_are_the_repository_s_and_spec_links_to_them() -> None:
+    assert Path(str(schema.packaged())).resolve() == SCHEMAS
+    assert Path(str(vectors.packaged())).resolve() == VECTORS
+    assert (SPEC / "schemas").is_symlink() and (SPEC / "schemas").resolve() == SCHEMAS
+    assert (SPEC / "vectors").is_symlink() and (SPEC / "vectors").resolve() == VECTORS
 
 
 @pytest.mark.parametrize("name", sorted(schemas()))
 def test_schema_file_matches_code(name: str) -> None:
-    path = SPEC / "schemas" / name
+    path = SCHEMAS / name
     assert path.exists(), f"{path} missing: run `make schemas`"
     assert path.read_text() == schemas()[name], f"{path} drifted from the code: `make schemas`"
 
 
 def test_no_stale_schema_files() -> None:
-    on_disk = {p.name for p in (SPEC / "schemas").glob("*.json")}
+    on_disk = {p.name for p in SCHEMAS.glob("*.json")}
     assert on_disk == set(schemas())
 
 
@@ -35,19 +46,19 @@ def test_schema_is_valid_2020_12(name: str) -> None:
 
 def test_vector_files_match_code() -> None:
     for v in vectors.all_vectors():
-        assert (SPEC / "vectors" / f"{v.name}.msgpack").read_bytes() == v.data, v.name
-        doc = json.loads((SPEC / "vectors" / f"{v.name}.json").read_text())
+        assert (VECTORS / f"{v.name}.msgpack").read_bytes() == v.data, v.name
+        doc = json.loads((VECTORS / f"{v.name}.json").read_text())
         assert doc == v.document(), f"{v.name}.json drifted: `make vectors`"
-    assert len(list((SPEC / "vectors").glob("*.json"))) == len(vectors.all_vectors())
+    assert len(list(VECTORS.glob("*.json"))) == len(vectors.all_vectors())
 
 
-@pytest.mark.parametrize("outcome", vectors.check(SPEC / "vectors"), ids=lambda o: o.name)
+@pytest.mark.parametrize("outcome", vectors.check(vectors.packaged()), ids=lambda o: o.name)
 def test_golden_vector(outcome: vectors.Outcome) -> None:
     assert outcome.ok, outcome.detail
 
 
 def test_vectors_cover_every_status_profile_and_kind() -> None:
-    docs = [json.loads(p.read_text()) for p in (SPEC / "vectors").glob("*.json")]
+    docs = [json.loads(p.read_text()) for p in VECTORS.glob("*.json")]
     statuses = {
         d["message"]["status"] for d in docs if d["decoder"] == "response" and "message" in d
     }
