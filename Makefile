@@ -84,6 +84,7 @@ bench: $(STAMP) sysdeps
 	$(PY) -m tests.bench.planning_ratios
 	$(PY) -m tests.bench.sim_scaling
 	$(PY) -m tests.bench.runtime_ratios
+	$(PY) -m tests.bench.node_ratios
 	$(VENV)/bin/pytest tests/bench --benchmark-enable --benchmark-columns=min,median,ops
 
 # The long fuzz run; `make test` runs a short one (tests/fuzz). FUZZ_ARGS=--update-corpus keeps

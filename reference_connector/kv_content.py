@@ -9,10 +9,11 @@ context. This module needs no torch: a node's front process, which decodes, neve
   2**16, with bit 14 cleared (the top exponent bit of bf16 and fp16: no inf or NaN, every value
   below 2 in magnitude). ``comb`` and ``chan`` are hashes, so every element depends on all six
   indices. Slots past the prompt's end in its last block hold zeros.
-- ``ContextDigest``: a streaming blake2b per (layer, K/V, head) row over the bytes of positions
-  0..n-1. The next token is blake2b of every row's digest (in global row order) and the context
-  length, modulo ``vocab``: a function of all the context's KV bytes, whatever the TP/PP split
-  of the workers that hold them. A decoded token's KV is computed locally and appended.
+- ``kv_values.ContextDigest``: a digest per (layer, K/V, head) row of every byte of positions
+  0..n-1, updated as positions arrive. The next token is blake2b of every row's digest (in
+  global row order) and the context length, modulo ``vocab``: a function of all the context's
+  KV bytes, whatever the TP/PP split of the workers that hold them. A decoded token's KV is
+  computed locally and appended.
 
 So a D that loaded the prompt's KV from a P decodes exactly what a D that computed it decodes.
 """
@@ -214,7 +215,6 @@ def render(ids: Sequence[int]) -> str:
 # -- decoding --------------------------------------------------------------------------------
 
 
-Words = npt.NDArray[np.int16]
 
 
 def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
@@ -226,48 +226,6 @@ def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
             j += 1
         yield i, blocks[i], j - i
         i = j
-
-
-class ContextDigest:
-    """Streaming blake2b digests of the (layer, K/V, head) rows of one worker's slice."""
-
-    def __init__(self, layers: int, heads: int) -> None:
-        self._shape = (layers, 2, heads)
-        self._rows = [hashlib.blake2b(digest_size=8) for _ in range(layers * 2 * heads)]
-
-    def update(
-        self,
-        pool: Words,
-        rows: Sequence[int],
-        start: int,
-        end: int,
-        layers: Sequence[int] | None = None,
-        first_row: int = 0,
-    ) -> None:
-        """Hash positions ``[start, end)`` of the request, read from ``pool`` (int16
-        [layers, 2, pool rows, heads, row tokens, channels]) through the ``rows`` that hold
-        the request, in order (a row is a block, or a kernel block: ``KVPool.rows``).
-        ``layers``: the pool's layers to hash (default all); ``first_row``: which of the
-        request's rows ``rows[0]`` is (a sliding-window group's, 10.4.7)."""
-        tokens = pool.shape[4]
-        _, _, heads = self._shape
-        chosen = range(self._shape[0]) if layers is None else layers
-        pos = max(start, first_row * tokens)
-        while pos < end:
-            row, slot = rows[pos // tokens - first_row], pos % tokens
-            stop = min(end - pos, tokens - slot) + slot
-            part = pool[:, :, row, :, slot:stop, :]
-            for layer in chosen:
-                for kv in range(2):
-                    for head in range(heads):
-                        # a copy only where K and V lie together (a token's K then its V)
-                        cell: Words = np.ascontiguousarray(part[layer, kv, head])
-                        self._rows[(layer * 2 + kv) * heads + head].update(cell.data)
-            pos += stop - slot
-
-    def digests(self) -> bytes:
-        """Every row's digest so far, [layers, 2, heads] x 8 bytes."""
-        return b"".join(h.digest() for h in self._rows)
 
 
 def assemble(shape: KVShape) -> npt.NDArray[np.uint8]:

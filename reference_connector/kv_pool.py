@@ -27,8 +27,8 @@ import torch
 
 from pdwire.planning import Side
 
-from .kv_content import BlockTable, ContextDigest, KVShape, Words, block_runs
-from .kv_values import kv_blocks, kv_values
+from .kv_content import BlockTable, KVShape, block_runs
+from .kv_values import ContextDigest, kv_blocks, kv_values
 from .transport import MooncakeTransport
 
 
@@ -59,7 +59,6 @@ class KVPool:
             self.storage = torch.zeros((len(self.layers), 2, rows, *cell), dtype=shape.torch_dtype)
             self.kv = self.storage
         self._words = self.kv.view(torch.int16)
-        self.words: Words = self._words.numpy()
         self.num_groups = geometry.num_groups
         self.mamba_groups = geometry.mamba_groups  # whose lists hold null blocks (10.6.3)
         #: per KV-cache group, its layers: positions on the pool's layer axis, and as an index
@@ -98,9 +97,14 @@ class KVPool:
         for layers, ids, first in zip(self._layers, table.ids, table.firsts, strict=True):
             yield layers, self.rows(ids), first * self.q
 
-    def expected(self, ids: Sequence[int]) -> torch.Tensor:
-        """The int16 patterns of this worker's rows of prompt ``ids``' blocks."""
-        values = kv_blocks(self.shape, ids, self.layers, self.heads)
+    def expected(self, ids: Sequence[int], first: int = 0, end: int | None = None) -> torch.Tensor:
+        """The int16 patterns of this worker's rows of prompt ``ids``' blocks ``[first, end)``
+        (default: all of them)."""
+        bs = self.shape.block_size
+        end = self.shape.blocks_for(len(ids)) if end is None else end
+        values = kv_blocks(
+            self.shape, ids[first * bs : end * bs], self.layers, self.heads, first * bs
+        )
         if self.q == 1:
             return values
         layers, kv, blocks, heads, tokens, channels = values.shape
@@ -108,20 +112,23 @@ class KVPool:
         rows = split.permute(0, 1, 2, 4, 3, 5, 6)
         return rows.reshape(layers, kv, blocks * self.q, heads, tokens // self.q, channels)
 
-    def _runs(self, ids: Sequence[int], table: BlockTable) -> Iterator[tuple[Any, slice, slice]]:
-        """(layers, pool rows, rows of ``expected(ids)``) of each run of the prompt's rows."""
+    def _chunks(self, ids: Sequence[int], table: BlockTable) -> Iterator[tuple[Any, int, Any]]:
+        """(layers, pool row, its expected values) of each of the prompt's rows, a block's
+        values computed at a time, so that they are still in the cache when they are used."""
         total = self.shape.blocks_for(len(ids)) * self.q
         for layers, rows, first in self._groups(table):
-            for i, start, count in block_runs(rows[: max(0, total - first)]):
-                yield layers, slice(start, start + count), slice(first + i, first + i + count)
+            for i, row in enumerate(rows[: max(0, total - first)]):
+                source = first + i
+                if i == 0 or source % self.q == 0:
+                    block = source // self.q
+                    values = self.expected(ids, block, block + 1)[layers]
+                yield layers, row, values[:, :, source % self.q]
 
     def write_prompt(self, ids: Sequence[int], table: BlockTable) -> int:
         """Compute the prompt's KV slice into the table's blocks; return the bytes written."""
-        values = self.expected(ids)
         written = 0
-        for layers, rows, source in self._runs(ids, table):
-            part = values[layers, :, source]
-            self._words[layers, :, rows] = part
+        for layers, row, part in self._chunks(ids, table):
+            self._words[layers, :, row] = part
             written += part.numel() * 2
         return written
 
@@ -132,17 +139,15 @@ class KVPool:
     def verify(self, ids: Sequence[int], table: BlockTable) -> tuple[bool, int]:
         """Whether the table's blocks hold exactly the prompt's KV slice, and the bytes
         compared."""
-        values = self.expected(ids)
         ok, compared = True, 0
-        for layers, rows, source in self._runs(ids, table):
-            part = values[layers, :, source]
-            ok = ok and torch.equal(self._words[layers, :, rows], part)
+        for layers, row, part in self._chunks(ids, table):
+            ok = ok and torch.equal(self._words[layers, :, row], part)
             compared += part.numel() * 2
         return ok, compared
 
     def append(self, token: int, position: int, table: BlockTable) -> None:
         """Write the KV slice of ``token`` at ``position`` (decoded here)."""
-        tokens = self.words.shape[4]
+        tokens = self._words.shape[4]
         values = kv_values(self.shape, [token], [position], self.layers, self.heads)
         for layers, rows, first in self._groups(table):
             row = rows[position // tokens - first]
@@ -151,7 +156,7 @@ class KVPool:
     def digest(self, digest: ContextDigest, table: BlockTable, start: int, end: int) -> None:
         """Hash positions ``[start, end)`` of the request held in ``table`` into ``digest``."""
         for chosen, (_, rows, first) in zip(self._group_layers, self._groups(table), strict=True):
-            digest.update(self.words, rows, start, end, chosen, first)
+            digest.update(self._words, rows, start, end, chosen, first)
 
     def new_digest(self) -> ContextDigest:
         return ContextDigest(len(self.layers), len(self.heads))

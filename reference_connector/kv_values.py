@@ -4,12 +4,13 @@ computed from scratch (``reference_completion``)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Final
 
 import torch
 
-from .kv_content import EOS, ContextDigest, KVShape, Words, assemble, next_token, place
+from .kv_content import EOS, KVShape, assemble, next_token, place
 
 _M: Final = 2**31 - 1  # products of two residues stay below 2**62
 _KEEP: Final = ~(1 << 14)  # clears bit 14: the top exponent bit of bf16 and fp16
@@ -28,6 +29,7 @@ def _i16(x: torch.Tensor) -> torch.Tensor:
     return (x - ((x >> 15) << 16)).to(torch.int16)
 
 
+@functools.lru_cache(maxsize=64)
 def _rows(layers: range, heads: range) -> torch.Tensor:
     """A hash of (layer, K/V, head) for the slice, [L, 2, H], int64 in [0, M)."""
     layer = torch.tensor(list(layers), dtype=torch.int64).view(-1, 1, 1)
@@ -43,6 +45,7 @@ def _columns(ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
     return _mix(_mix(token + 1, _K[3]) + position, _K[4])
 
 
+@functools.lru_cache(maxsize=64)
 def _channels(head_dim: int) -> torch.Tensor:
     return _i16(_mix(torch.arange(head_dim, dtype=torch.int64) + 1, _K[5]))
 
@@ -72,11 +75,87 @@ def kv_blocks(
             _K[6],
         )
     )
-    comb = comb.view(len(layers), 2, len(heads), nb, bs).permute(0, 1, 3, 2, 4).unsqueeze(-1)
-    out = (comb + _channels(shape.channels)) & _KEEP
+    # the small comb made contiguous first, so that the large sum is written in its final order
+    comb = comb.view(len(layers), 2, len(heads), nb, bs).permute(0, 1, 3, 2, 4).contiguous()
+    out = comb.unsqueeze(-1) + _channels(shape.channels)
+    out &= _KEEP
     if nb * bs > n:
         out[:, :, -1, :, n - (nb - 1) * bs :, :] = 0
     return out
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_SPLITMIX: Final = (_signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB))
+_LOW: Final = tuple((1 << (64 - n)) - 1 for n in range(64))  # masks of logical right shifts
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser of an int64 tensor (two's complement, wrapping)."""
+    x = x ^ ((x >> 30) & _LOW[30])
+    x = x * _SPLITMIX[0]
+    x = x ^ ((x >> 27) & _LOW[27])
+    x = x * _SPLITMIX[1]
+    return x ^ ((x >> 31) & _LOW[31])
+
+
+def _words(part: torch.Tensor) -> torch.Tensor:
+    """``part``'s int16 channels as int64 words: four channels a word when their count allows,
+    else one channel a word (the choice depends on the shape only, as the digest must)."""
+    if part.shape[-1] % 4:
+        return part.to(torch.int64)
+    try:
+        return part.view(torch.int64)
+    except RuntimeError:  # a slice whose strides do not allow the view
+        return part.contiguous().view(torch.int64)
+
+
+class ContextDigest:
+    """A digest of each (layer, K/V, head) row of one worker's slice, streamed: the sum, modulo
+    2**64, over the row's positions p and 64-bit words j of ``word * W(p, j)``, where W is
+    splitmix64 of (p, j). A sum, so the positions can come in any pieces; a weight per position
+    and word, so every byte counts where it lies."""
+
+    def __init__(self, layers: int, heads: int) -> None:
+        self._sums = torch.zeros((layers, 2, heads), dtype=torch.int64)
+
+    def update(
+        self,
+        pool: torch.Tensor,
+        rows: Sequence[int],
+        start: int,
+        end: int,
+        layers: Sequence[int] | None = None,
+        first_row: int = 0,
+    ) -> None:
+        """Add positions ``[start, end)`` of the request, read from ``pool`` (int16
+        [layers, 2, pool rows, heads, row tokens, channels]) through the ``rows`` that hold
+        the request, in order (a row is a block, or a kernel block: ``KVPool.rows``).
+        ``layers``: the pool's layers to hash (default all); ``first_row``: which of the
+        request's rows ``rows[0]`` is (a sliding-window group's, 10.4.7)."""
+        tokens = pool.shape[4]
+        chosen = None if layers is None else torch.tensor(list(layers), dtype=torch.long)
+        pos = max(start, first_row * tokens)
+        while pos < end:  # a row at a time: its words stay in the cache while they are summed
+            row, slot = rows[pos // tokens - first_row], pos % tokens
+            stop = min(end - pos, tokens - slot) + slot
+            part = pool[:, :, row, :, slot:stop, :]
+            words = _words(part if chosen is None else part[chosen])
+            weights = _mix64(
+                torch.arange(pos * words.shape[-1], (pos + stop - slot) * words.shape[-1])
+            ).view(stop - slot, words.shape[-1])
+            sums = (words * weights).sum(dim=(3, 4))
+            if chosen is None:
+                self._sums += sums
+            else:
+                self._sums[chosen] += sums
+            pos += stop - slot
+
+    def digests(self) -> bytes:
+        """Every row's digest so far, [layers, 2, heads] x 8 bytes."""
+        return _mix64(self._sums).numpy().tobytes()
 
 
 def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -88,7 +167,6 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
     )
     prompt = kv_blocks(shape, ids, layers, heads)
     pool[:, :, : prompt.shape[2]] = prompt
-    words: Words = pool.numpy()
     blocks = list(range(nb))
     digest = ContextDigest(len(layers), len(heads))
     geometry = shape.geometry()
@@ -103,7 +181,7 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
 
     def update(start: int, end: int) -> None:
         for chosen, first in groups:
-            digest.update(words, blocks[first:], start, end, chosen, first)
+            digest.update(pool, blocks[first:], start, end, chosen, first)
 
     update(0, len(ids))
     out: list[int] = []

@@ -13,8 +13,9 @@ from typing import Any
 
 from pdwire.events import LoadRequest, RequestQueued
 
-from .kv_content import BlockTable, ContextDigest
+from .kv_content import BlockTable
 from .kv_pool import KVPool
+from .kv_values import ContextDigest
 from .worker_agents import Agent, WorkerContext, load_factory
 from .worker_spec import POLL_S, WorkerSpec
 

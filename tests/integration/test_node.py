@@ -179,7 +179,7 @@ def probe(stop: bool) -> str:
     """A fixed prompt of 10 words (3 blocks, the last one partial) whose first generated token
     is the stop token (``stop``), or which decodes MAX_TOKENS tokens without it."""
     for i in range(5000):
-        prompt = f"the quick brown fox number {i} jumps over the dog"
+        prompt = f"the quick brown fox number {i} jumps over the dog{i}"
         out = reference_completion(SHAPE, tokenize(prompt, SHAPE.vocab), MAX_TOKENS)
         if (stop and not out) or (not stop and len(out) == MAX_TOKENS):
             return prompt
