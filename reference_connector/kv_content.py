@@ -215,8 +215,6 @@ def render(ids: Sequence[int]) -> str:
 # -- decoding --------------------------------------------------------------------------------
 
 
-
-
 def block_runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
     """``(index in blocks, first block id, count)`` of each run of consecutive block ids."""
     i = 0
