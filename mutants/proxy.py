@@ -1,5 +1,5 @@
 """Mutants of the proxy (§5.4), caught by the proxy suite, which plays the client, P and D
-around it. ``pdwire proxy --mutant NAME`` applies one before the proxy starts."""
+around it. A proxy started with ``preload.environ(NAME)`` applies one before it serves."""
 
 from __future__ import annotations
 
