@@ -28,7 +28,7 @@ import torch
 from pdwire.planning import Side
 
 from .kv_content import BlockTable, KVShape, block_runs
-from .kv_values import ContextDigest, kv_blocks, kv_values
+from .kv_values import ContextDigest, kv_blocks, kv_values, layer_indexes
 from .transport import MooncakeTransport
 
 
@@ -61,12 +61,8 @@ class KVPool:
         self._words = self.kv.view(torch.int16)
         self.num_groups = geometry.num_groups
         self.mamba_groups = geometry.mamba_groups  # whose lists hold null blocks (10.6.3)
-        #: per KV-cache group, its layers: positions on the pool's layer axis, and as an index
-        self._group_layers = geometry.group_layers(self.layers)
-        self._layers: list[Any] = [
-            slice(None) if self.num_groups == 1 else torch.tensor(chosen)
-            for chosen in self._group_layers
-        ]
+        #: per KV-cache group, its layers: an index of the pool's layer axis
+        self._layers = layer_indexes(geometry.group_layers(self.layers))
 
     @property
     def nbytes(self) -> int:
@@ -155,8 +151,8 @@ class KVPool:
 
     def digest(self, digest: ContextDigest, table: BlockTable, start: int, end: int) -> None:
         """Hash positions ``[start, end)`` of the request held in ``table`` into ``digest``."""
-        for chosen, (_, rows, first) in zip(self._group_layers, self._groups(table), strict=True):
-            digest.update(self._words, rows, start, end, chosen, first)
+        for layers, rows, first in self._groups(table):
+            digest.update(self._words, rows, start, end, layers, first)
 
     def new_digest(self) -> ContextDigest:
         return ContextDigest(len(self.layers), len(self.heads))

@@ -84,6 +84,16 @@ def kv_blocks(
     return out
 
 
+#: Which of a pool's layers one KV-cache group holds: all of them (a view), or an index.
+LayerIndex = slice | torch.Tensor
+
+
+def layer_indexes(groups: Sequence[Sequence[int]]) -> list[LayerIndex]:
+    """Per KV-cache group, its layers (positions on a pool's layer axis) as an index; with one
+    group, every layer, which slicing takes without a copy."""
+    return [slice(None) if len(groups) == 1 else torch.tensor(chosen) for chosen in groups]
+
+
 def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
@@ -127,30 +137,25 @@ class ContextDigest:
         rows: Sequence[int],
         start: int,
         end: int,
-        layers: Sequence[int] | None = None,
+        layers: LayerIndex = slice(None),
         first_row: int = 0,
     ) -> None:
         """Add positions ``[start, end)`` of the request, read from ``pool`` (int16
         [layers, 2, pool rows, heads, row tokens, channels]) through the ``rows`` that hold
         the request, in order (a row is a block, or a kernel block: ``KVPool.rows``).
-        ``layers``: the pool's layers to hash (default all); ``first_row``: which of the
-        request's rows ``rows[0]`` is (a sliding-window group's, 10.4.7)."""
+        ``layers``: the pool's layers to hash (``layer_indexes``; default all); ``first_row``:
+        which of the request's rows ``rows[0]`` is (a sliding-window group's, 10.4.7)."""
         tokens = pool.shape[4]
-        chosen = None if layers is None else torch.tensor(list(layers), dtype=torch.long)
         pos = max(start, first_row * tokens)
         while pos < end:  # a row at a time: its words stay in the cache while they are summed
             row, slot = rows[pos // tokens - first_row], pos % tokens
             stop = min(end - pos, tokens - slot) + slot
             part = pool[:, :, row, :, slot:stop, :]
-            words = _words(part if chosen is None else part[chosen])
+            words = _words(part[layers])
             weights = _mix64(
                 torch.arange(pos * words.shape[-1], (pos + stop - slot) * words.shape[-1])
             ).view(stop - slot, words.shape[-1])
-            sums = (words * weights).sum(dim=(3, 4))
-            if chosen is None:
-                self._sums += sums
-            else:
-                self._sums[chosen] += sums
+            self._sums[layers] += (words * weights).sum(dim=(3, 4))
             pos += stop - slot
 
     def digests(self) -> bytes:
@@ -173,7 +178,7 @@ def reference_completion(shape: KVShape, ids: Sequence[int], max_tokens: int) ->
     # each KV-cache group hashes the blocks it holds (a sliding window's: from its first, 10.4.7)
     groups = list(
         zip(
-            geometry.group_layers(layers),
+            layer_indexes(geometry.group_layers(layers)),
             geometry.firsts(shape.blocks_for(len(ids))),
             strict=True,
         )
