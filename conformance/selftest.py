@@ -341,7 +341,6 @@ async def testbed(
 
 
 async def _run_layouts(
-    environ: Environ,
     cases: Sequence[Case],
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
@@ -352,7 +351,7 @@ async def _run_layouts(
     stopping: list[asyncio.Task[None]] = []
     try:
         for layout, mine in by_layout(cases).items():
-            bed = Testbed(layout, environ=environ)
+            bed = Testbed(layout)
             try:
                 await bed.start(roles_for(mine))
                 results += await run_suites(bed, mine, options, on_result, timeout)
@@ -370,19 +369,16 @@ async def run_self(
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
-    environ: Environ | None = None,
 ) -> list[Result]:
-    """Every case of ``cases`` against the reference testees, each kind of them with what
-    ``environ`` adds to its environment; the results in the order of ``cases``. The suites that
-    start testees of their own (``BESIDE``) run beside the others: most of their time is waiting
-    for those to start."""
-    environ = environ or {}
-    own = Testbed(environ=environ)
+    """Every case of ``cases`` against the reference testees; the results in the order of
+    ``cases``. The suites that start testees of their own (``BESIDE``) run beside the others:
+    most of their time is waiting for those to start."""
+    own = Testbed()
     beside = [c for c in cases if c.suite in BESIDE]
     alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
-        results = await _run_layouts(environ, rest, options, on_result, timeout)
+        results = await _run_layouts(rest, options, on_result, timeout)
         results += await alongside
     finally:
         if not alongside.done():
