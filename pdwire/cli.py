@@ -16,7 +16,7 @@ import msgspec
 from . import __version__, spectables, vectors
 from .codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
 from .errors import PdwireError
-from .extras import COMMANDS, install_hint, missing
+from .extras import COMMANDS, install_hint, missing, named
 from .legacy import older_variants
 from .messages import LeaseHeartbeat, XferCancel, XferMetadataV2, XferResponseV2
 from .schema import schemas
@@ -316,17 +316,13 @@ class _NamingExtras:
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         if self._extras:
             if "help" in kwargs:
-                kwargs["help"] = f"{kwargs['help']} (needs {_extra_names(self._extras)})"
+                kwargs["help"] = f"{kwargs['help']} (needs {named(self._extras)})"
             kwargs.setdefault(
-                "epilog", f"Needs {_extra_names(self._extras)}: {install_hint(self._extras)}"
+                "epilog", f"Needs {named(self._extras)}: {install_hint(self._extras)}"
             )
         parser: argparse.ArgumentParser = self._sub.add_parser(name, **kwargs)
         parser.set_defaults(pdwire_extras=self._extras)
         return parser
-
-
-def _extra_names(extras: tuple[str, ...]) -> str:
-    return f"pdwire[{','.join(extras)}]"
 
 
 def _not_installed(extras: tuple[str, ...], exc: ImportError | None = None) -> str | None:
@@ -350,7 +346,7 @@ def _unavailable(sub: Any, name: str, extras: tuple[str, ...], exc: ImportError)
         print(f"pdwire {name}: {reason}", file=sys.stderr)
         return EXIT_USAGE
 
-    short = f"needs {_extra_names(extras)}" if extras else reason
+    short = f"needs {named(extras)}" if extras else reason
     p = sub.add_parser(name, help=f"(unavailable: {short})", description=reason)
     p.set_defaults(func=fail, unavailable=True)
 

@@ -22,13 +22,21 @@ _EXTRA: Final = re.compile(r"""\bextra\s*==\s*["']([^"']+)["']""")
 _REQUIREMENT: Final = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")
 
 
+def named(extras: Iterable[str]) -> str:
+    """``pdwire[extras]``, as pip is given it."""
+    return f"{DISTRIBUTION}[{','.join(extras)}]"
+
+
 def install_hint(extras: Iterable[str]) -> str:
-    return f"pip install '{DISTRIBUTION}[{','.join(extras)}]'"
+    return f"pip install '{named(extras)}'"
 
 
 def requirements(extras: Iterable[str]) -> set[str]:
     """The distributions that ``pdwire[extras]`` installs itself, an extra that names other
     extras of pdwire unfolded; none when pdwire is not installed (a source tree on the path)."""
+    todo = list(extras)
+    if not todo:  # every command without an extra runs this: no metadata to read
+        return set()
     try:
         lines = requires(DISTRIBUTION) or []
     except PackageNotFoundError:
@@ -42,7 +50,7 @@ def requirements(extras: Iterable[str]) -> set[str]:
             named = [e.strip() for e in (parsed[2] or "").split(",") if e.strip()]
             by_extra.setdefault(marked[1], []).append((parsed[1], named))
     found: set[str] = set()
-    todo, seen = list(extras), set()
+    seen: set[str] = set()
     while todo:
         extra = todo.pop()
         if extra in seen:
