@@ -100,9 +100,10 @@ def _encode_legacy_base(
         raise LocalProtocolError(
             f"expected {base.__name__}, got {type(msg).__name__}", section=section
         )
-    legacy = _is_legacy(profile)
-    _raise_local(check(msg), section)
-    if legacy and type(msg) is not base:
+    problem = check(msg)
+    if problem is not None:
+        _raise_local(problem, section)
+    if type(msg) is not base and _is_legacy(profile):
         msg = base(*msgspec.structs.astuple(msg)[: len(base.__struct_fields__)])
     return _encoder.encode(msg)
 
@@ -317,18 +318,20 @@ Problem = tuple[str, str] | None  # (path, message)
 
 def _check_pull(m: XferMetadata) -> Problem:
     n = len(m.kv_caches_base_addr)
-    # The common case in one expression: every per-region list has one entry per region.
+    payloads, strides = m.kv_block_lens, m.block_lens
+    # The common case in one expression: every per-region list has one entry per region, and
+    # no region is padded (payload equal to stride, compared in C).
     if (
         m.remote_tp_rank < m.remote_tp_size
-        and len(m.block_lens) == n
-        and len(m.kv_block_lens) == n
+        and len(strides) == n
+        and len(payloads) == n
         and len(m.registered_layer_names) == n
         and len(m.registered_layer_indices) == n
         and len(m.registered_group_indices) == n
         and len(m.registered_shared_group_ids) == n
         and len(m.registered_row_offsets) == n
     ):
-        return _payload_past_stride(m)
+        return None if payloads == strides else _payload_past_stride(m)
     if m.remote_tp_rank >= m.remote_tp_size:
         return (
             "$.remote_tp_rank",
@@ -342,14 +345,14 @@ def _check_pull(m: XferMetadata) -> Problem:
 
 def _payload_past_stride(m: XferMetadata) -> Problem:
     """3.2-R21: a region's payload must fit its stride, or P would write into the next block."""
-    if m.kv_block_lens and m.block_lens:
-        for i, (payload, stride) in enumerate(zip(m.kv_block_lens, m.block_lens, strict=True)):
-            if payload > stride:
-                return (
-                    f"$.kv_block_lens[{i}]",
-                    f"{payload} payload bytes exceed the block stride {stride} of region {i}",
-                )
-    return None
+    payloads, strides = m.kv_block_lens, m.block_lens
+    if not payloads or not strides or not any(map(operator.gt, payloads, strides)):
+        return None
+    i = next(i for i, (p, s) in enumerate(zip(payloads, strides, strict=True)) if p > s)
+    return (
+        f"$.kv_block_lens[{i}]",
+        f"{payloads[i]} payload bytes exceed the block stride {strides[i]} of region {i}",
+    )
 
 
 def _check_response(m: XferResponse) -> Problem:

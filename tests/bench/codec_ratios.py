@@ -35,10 +35,19 @@ from pdwire.vectors import seed_pull
 
 BLOCKS_PER_REQUEST: Final = 63
 SEED: Final = 20_240_601
+#: A layout_id as a vLLM 0.33+ D sends it once P holds its layout (odd, 63 bits).
+LAYOUT_ID: Final = 0x2545_F491_4F6C_DD1D
 
 IMPLS: Final = ("pdwire", "msgspec", "pydantic")
-OPS: Final = ("encode", "decode", "encode+decode")
-STMTS: Final = {"encode": "enc(msg)", "decode": "dec(data)", "encode+decode": "dec(enc(msg))"}
+#: ``decode+encode`` is what a relay does with a received message: decode it, then encode the
+#: decoded value again (pdwire: to legacy bytes, equal to the bytes received).
+OPS: Final = ("encode", "decode", "encode+decode", "decode+encode")
+STMTS: Final = {
+    "encode": "enc(msg)",
+    "decode": "dec(data)",
+    "encode+decode": "dec(enc(msg))",
+    "decode+encode": "enc(dec(data))",
+}
 
 
 # -- pydantic mirrors -------------------------------------------------------------------------
@@ -107,8 +116,10 @@ def _request_ids(rng: random.Random) -> tuple[str, str]:
 
 
 def make_pull(num_requests: int) -> XferMetadata:
-    """A Qwen3-8B pull (TP=1, 36 layers x K/V) of ``num_requests`` 1000-token prompts."""
-    return seed_pull(num_requests, BLOCKS_PER_REQUEST, seed=SEED)
+    """A Qwen3-8B pull (TP=1, 36 layers x K/V) of ``num_requests`` 1000-token prompts, with the
+    layout and its ``layout_id``."""
+    pull = seed_pull(num_requests, BLOCKS_PER_REQUEST, seed=SEED)
+    return msgspec.structs.replace(pull, layout_id=LAYOUT_ID)
 
 
 def make_response(num_ok: int) -> XferResponse:
@@ -166,8 +177,12 @@ def check(w: Workload) -> None:
         codec = w.codecs[impl]
         if codec.decode(codec.encode(w.subject(impl))) != w.expected(impl):
             raise AssertionError(f"{w.name}: {impl} does not round-trip")
-    if w.codecs["pdwire"].encode(w.msg) != w.codecs["msgspec"].encode(w.msg):
+    pdwire_codec = w.codecs["pdwire"]
+    data = pdwire_codec.encode(w.msg)
+    if data != w.codecs["msgspec"].encode(w.msg):
         raise AssertionError(f"{w.name}: pdwire's legacy bytes differ from msgspec's")
+    if pdwire_codec.encode(pdwire_codec.decode(data)) != data:
+        raise AssertionError(f"{w.name}: pdwire's decode+encode does not give the bytes back")
 
 
 # -- timing -----------------------------------------------------------------------------------
