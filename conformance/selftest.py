@@ -18,7 +18,7 @@ import dataclasses
 import os
 import shlex
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -97,7 +97,7 @@ PACKED_MAMBA: Final = Layout(prefill_tp=1, mamba=True, packed_rows=True)
 OPAQUE: Final = Layout(prefill_tp=1, sliding_window=testees.BLOCK_SIZE, opaque_rows=True)
 #: The testees of the lease cases (§3.9, §6.4): a lease longer than T, so that a P which held a
 #: transfer for T instead fails them, and short enough for quick cases.
-LEASED: Final = Layout(prefill_tp=1, lease=4.0)
+LEASED: Final = Layout(prefill_tp=1, lease=3.0)
 #: The cases that need testees of other sizes than DEFAULT's, and theirs.
 LAYOUTS: Final[dict[str, Layout]] = {
     "producer/10.2/3": PARALLEL,
@@ -340,85 +340,28 @@ async def testbed(
         await bed.stop()
 
 
-#: How many cases that start a testee of their own (registration) run side by side: they share
-#: nothing, and most of each is waiting for its P to start and for its timers.
-SIDE_BY_SIDE: Final = 3
-
-
 async def _run_layouts(
-    lane: Sequence[tuple[Layout, list[Case]]],
-    options: RunOptions,
-    on_result: Callable[[Result], None] | None,
-    timeout: float,
-) -> list[Result]:
-    """Each layout's cases against its testbed, one after another; the next layout's testbed
-    starts while the cases of this one run, and this one's stops while the next one's run."""
-
-    async def started(layout: Layout, mine: list[Case]) -> Testbed:
-        bed = Testbed(layout)
-        try:
-            await bed.start(roles_for(mine))
-        except BaseException:
-            await bed.stop()
-            raise
-        return bed
-
-    results: list[Result] = []
-    pending: list[asyncio.Task[Testbed]] = []
-    stopping: list[asyncio.Task[None]] = []
-    try:
-        pending.append(asyncio.create_task(started(*lane[0])))
-        for i, (_, mine) in enumerate(lane):
-            bed = await pending.pop()
-            try:
-                if i + 1 < len(lane):
-                    pending.append(asyncio.create_task(started(*lane[i + 1])))
-                results += await run_suites(bed, mine, options, on_result, timeout)
-            finally:
-                stopping.append(asyncio.create_task(bed.stop()))
-    finally:
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        await asyncio.gather(*stopping)
-    return results
-
-
-async def _side_by_side(
     cases: Sequence[Case],
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    """Cases that start testees of their own, SIDE_BY_SIDE at a time, the proxy suite's in one
-    run (its cases share a fake P and D)."""
-    slots = asyncio.Semaphore(SIDE_BY_SIDE)
-    own = Testbed()
-
-    async def one(mine: list[Case]) -> list[Result]:
-        async with slots:
-            return await run_suites(own, mine, options, on_result, timeout)
-
-    proxy = [c for c in cases if c.suite is Suite.PROXY]
-    alone = [[c] for c in cases if c.suite is not Suite.PROXY]
-    runs = await asyncio.gather(*(one(mine) for mine in ([proxy] if proxy else []) + alone))
-    return [r for run in runs for r in run]
-
-
-async def _nothing() -> list[Result]:
-    return []
-
-
-async def _all_or_none(*runs: Awaitable[list[Result]]) -> list[list[Result]]:
-    """Every run's results; when one raises (a testee that did not start), the others are
-    cancelled, so that their testees stop, and its error is raised."""
-    tasks = [asyncio.ensure_future(run) for run in runs]
+    """``cases`` against the testbed of each layout they need, one layout after another."""
+    results: list[Result] = []
+    stopping: list[asyncio.Task[None]] = []
     try:
-        return list(await asyncio.gather(*tasks))
+        for layout, mine in by_layout(cases).items():
+            bed = Testbed(layout)
+            try:
+                await bed.start(roles_for(mine))
+                results += await run_suites(bed, mine, options, on_result, timeout)
+            finally:
+                # A layout's testees stop while the next one's start: a stop is mostly waiting
+                # for processes to exit.
+                stopping.append(asyncio.create_task(bed.stop()))
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*stopping)
+    return results
 
 
 async def run_self(
@@ -428,15 +371,19 @@ async def run_self(
     timeout: float,
 ) -> list[Result]:
     """Every case of ``cases`` against the reference testees; the results in the order of
-    ``cases``. The layouts run one after another, and beside them the suites that start
-    testees of their own (``BESIDE``)."""
+    ``cases``. The suites that start testees of their own (``BESIDE``) run beside the others:
+    most of their time is waiting for those to start."""
+    own = Testbed()
     beside = [c for c in cases if c.suite in BESIDE]
-    rest = [c for c in cases if c.suite not in BESIDE]
-    layouts = list(by_layout(rest).items())
-    runs = await _all_or_none(
-        _side_by_side(beside, options, on_result, timeout),
-        _run_layouts(layouts, options, on_result, timeout) if layouts else _nothing(),
-    )
-    results = [r for run in runs for r in run]
+    alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
+    try:
+        rest = [c for c in cases if c.suite not in BESIDE]
+        results = await _run_layouts(rest, options, on_result, timeout)
+        results += await alongside
+    finally:
+        if not alongside.done():
+            alongside.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await alongside
     order = {c.id: i for i, c in enumerate(cases)}
     return sorted(results, key=lambda r: order[r.case.id])

@@ -24,16 +24,7 @@ from typing import TypeVar
 from conformance import testees
 from conformance.case import Case, Suite, Verdict
 from conformance.runner import RunOptions
-from conformance.selftest import (
-    DEFAULT,
-    SIDE_BY_SIDE,
-    Layout,
-    Testbed,
-    by_layout,
-    roles_for,
-    run_suites,
-    testbed,
-)
+from conformance.selftest import DEFAULT, Layout, Testbed, by_layout, roles_for, run_suites, testbed
 from pdwire.roles import Role
 
 from . import MUTANTS, Mutant, preload
@@ -45,6 +36,9 @@ SETTLE_S = 3 * testees.ABORT_TIMEOUT
 #: Runs of one mutant when a testee fails to start or to switch, or when its run on a node of
 #: its own was inconclusive (``MutantResult.inconclusive``); never when a case passed.
 TRIES = 2
+#: How many mutants of the suites that start a testee of their own for each case (registration)
+#: are checked side by side: they share nothing, and most of each is waiting for P to start.
+SIDE_BY_SIDE = 3
 #: Every case that names a mutant must fail on its own, whatever a case before it did to the
 #: testee: strict, and no case blocked by an earlier one.
 _EVERY_CASE = RunOptions(strict=True, probe=False)
