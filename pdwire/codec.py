@@ -100,10 +100,11 @@ def _encode_legacy_base(
         raise LocalProtocolError(
             f"expected {base.__name__}, got {type(msg).__name__}", section=section
         )
+    legacy = _is_legacy(profile)  # also refuses an unknown profile name
     problem = check(msg)
     if problem is not None:
         _raise_local(problem, section)
-    if type(msg) is not base and _is_legacy(profile):
+    if legacy and type(msg) is not base:
         msg = base(*msgspec.structs.astuple(msg)[: len(base.__struct_fields__)])
     return _encoder.encode(msg)
 
