@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -24,6 +25,17 @@ def read_key_file(path: str) -> bytes:
     if not key:
         raise ValueError(f"{path}: the auth key file is empty")
     return key
+
+
+def canonical_json(payload: dict[str, Any]) -> bytes:
+    """The canonical JSON of a registration body (8.6-R11)."""
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return text.encode("ascii")
+
+
+def register_tag(payload_without_tag: dict[str, Any], key: bytes) -> str:
+    """Lower-case hex HMAC-SHA256 of a registration body without ``auth_tag`` (8.6-R10)."""
+    return hmac.new(key, canonical_json(payload_without_tag), hashlib.sha256).hexdigest()
 
 
 def tag(msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes) -> bytes:

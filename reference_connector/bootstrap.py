@@ -8,7 +8,6 @@ registration are dropped, replies carry no ``pdwire_version`` and there is no ``
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -20,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from pdwire import error_strings as es
 from pdwire import sections
+from pdwire.auth import register_tag
 from pdwire.errors import DecodeError
 from pdwire.http_models import (
     EngineEntry,
@@ -45,17 +45,6 @@ ENGINE_FIELDS_MISMATCH: Final = (
 #: pdwire/2 fields that describe the whole engine; all of its workers must agree (4.1-R12).
 ENGINE_FIELDS: Final = ("tp_size", "pp_size", "fingerprint")
 LEGACY_VERSION: Final = WIRE_VERSION["legacy"]
-
-
-def canonical_json(payload: dict[str, Any]) -> bytes:
-    """The canonical JSON of a registration body (8.6-R11)."""
-    text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return text.encode("ascii")
-
-
-def register_tag(payload_without_tag: dict[str, Any], key: bytes) -> str:
-    """Lower-case hex HMAC-SHA256 of a registration body without ``auth_tag`` (8.6-R10)."""
-    return hmac.new(key, canonical_json(payload_without_tag), hashlib.sha256).hexdigest()
 
 
 def tag_is_valid(body: dict[str, Any], key: bytes) -> bool:

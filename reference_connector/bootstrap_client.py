@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import httpx
 
 from pdwire import error_strings
+from pdwire.auth import register_tag
 from pdwire.errors import DecodeError
 from pdwire.http_models import (
     QueryResponse,
@@ -18,8 +19,6 @@ from pdwire.http_models import (
     split_host_port,
     url_of,
 )
-
-from .bootstrap import register_tag
 
 logger = logging.getLogger(__name__)
 

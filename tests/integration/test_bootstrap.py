@@ -22,15 +22,11 @@ import pytest
 
 from conformance.ports import free_port
 from pdwire import error_strings as es
+from pdwire.auth import canonical_json, register_tag
 from pdwire.http_models import QueryResponse, RegisterWorkerPayload
 from pdwire.messages import Fingerprint
 from reference_connector import cli_bootstrap
-from reference_connector.bootstrap import (
-    AUTH_FAILED_DETAIL,
-    BootstrapServer,
-    canonical_json,
-    register_tag,
-)
+from reference_connector.bootstrap import AUTH_FAILED_DETAIL, BootstrapServer
 from reference_connector.bootstrap_client import BootstrapError, query, register, signed_body
 
 KEY = b"bootstrap-test-key"
