@@ -47,8 +47,8 @@ def requirements(extras: Iterable[str]) -> set[str]:
         marked = _EXTRA.search(marker)
         parsed = _REQUIREMENT.match(spec)
         if marked and parsed:
-            named = [e.strip() for e in (parsed[2] or "").split(",") if e.strip()]
-            by_extra.setdefault(marked[1], []).append((parsed[1], named))
+            inner = [e.strip() for e in (parsed[2] or "").split(",") if e.strip()]
+            by_extra.setdefault(marked[1], []).append((parsed[1], inner))
     found: set[str] = set()
     seen: set[str] = set()
     while todo:
@@ -56,9 +56,9 @@ def requirements(extras: Iterable[str]) -> set[str]:
         if extra in seen:
             continue
         seen.add(extra)
-        for name, named in by_extra.get(extra, []):
+        for name, inner in by_extra.get(extra, []):
             if _canonical(name) == DISTRIBUTION:
-                todo.extend(named)
+                todo.extend(inner)
             else:
                 found.add(name)
     return found

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from importlib.metadata import EntryPoint
 from pathlib import Path
@@ -13,6 +14,18 @@ from pdwire.vectors import seed_pull
 from reference_connector import cli_node
 
 VECTORS = Path(__file__).resolve().parents[2] / "pdwire" / "data" / "vectors"
+NODE = EntryPoint("node", "reference_connector.cli_node", cli.COMMANDS_GROUP)
+
+
+@dataclasses.dataclass(frozen=True)
+class BrokenCommand:
+    """An entry point of pdwire's commands whose module fails to import."""
+
+    name: str
+    error: ImportError
+
+    def load(self) -> None:
+        raise self.error
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -147,13 +160,8 @@ def test_missing_file_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
 def test_a_command_whose_extra_is_missing_explains_itself(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    class Broken:
-        name = "bootstrap"
-
-        def load(self) -> None:
-            raise ImportError("No module named 'fastapi'")
-
-    monkeypatch.setattr(cli, "entry_points", lambda group: [Broken()])
+    broken = BrokenCommand("bootstrap", ImportError("No module named 'fastapi'"))
+    monkeypatch.setattr(cli, "entry_points", lambda group: [broken])
     code, _, err = run(capsys, "bootstrap")
     assert code == 2
     assert "fastapi" in err and "pdwire[runtime]" in err
@@ -176,13 +184,8 @@ def test_vectors_write_needs_a_directory(capsys: pytest.CaptureFixture[str]) -> 
 def test_an_unavailable_command_takes_any_arguments(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    class Broken:
-        name = "conformance"
-
-        def load(self) -> None:
-            raise ModuleNotFoundError("No module named 'httpx'", name="httpx")
-
-    monkeypatch.setattr(cli, "entry_points", lambda group: [Broken()])
+    error = ModuleNotFoundError("No module named 'httpx'", name="httpx")
+    monkeypatch.setattr(cli, "entry_points", lambda group: [BrokenCommand("conformance", error)])
     monkeypatch.setattr(cli, "missing", lambda extras: [])
     code, _, err = run(capsys, "conformance", "producer", "--p", "http://x")
     assert code == 2
@@ -196,8 +199,7 @@ def test_a_command_checks_its_extras_before_it_runs(
 ) -> None:
     """Its help names them; a missing package stops it before it starts anything."""
     started = []
-    node = EntryPoint("node", "reference_connector.cli_node", cli.COMMANDS_GROUP)
-    monkeypatch.setattr(cli, "entry_points", lambda group: [node])
+    monkeypatch.setattr(cli, "entry_points", lambda group: [NODE])
     monkeypatch.setattr(cli, "missing", lambda extras: ["torch"] if "node" in extras else [])
     monkeypatch.setattr(cli_node, "run", lambda args: started.append(args) or 0)
     with pytest.raises(SystemExit):
@@ -214,8 +216,7 @@ def test_an_import_that_fails_while_a_command_runs_names_its_extras(
     def run_node(args: object) -> int:
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
-    node = EntryPoint("node", "reference_connector.cli_node", cli.COMMANDS_GROUP)
-    monkeypatch.setattr(cli, "entry_points", lambda group: [node])
+    monkeypatch.setattr(cli, "entry_points", lambda group: [NODE])
     monkeypatch.setattr(cli, "missing", lambda extras: [])
     monkeypatch.setattr(cli_node, "run", run_node)
     code, _, err = run(capsys, "node", "--role", "decode")
