@@ -329,9 +329,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="start the reference testees and run every suite against them",
         description="Start the reference P node (TP 2, with its bootstrap server) and D node on "
         "loopback, with a short VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, run every suite against "
-        "them and stop them. The cases that need other testees get them: a keyed pair, a P of "
-        "PP 2 and a D of TP 2, a P of TP 2 over one KV head, and a P for each registration "
-        "case.",
+        "them and stop them. The cases that need other testees get testees of their own: a "
+        "keyed pair, a P of PP 2 and a D of TP 2, a P of TP 2 over one KV head, a slow prefill, "
+        "kernel blocks and a sliding window, state-space layers with packed or opaque rows, a "
+        "KV lease, and a P for each registration case.",
     )
     _common(me)
     me.set_defaults(func=cmd_self)
