@@ -40,7 +40,7 @@ from pdwire.events import (
     TimePassed,
 )
 from pdwire.http_models import EngineEntry
-from pdwire.messages import ErrorCode
+from pdwire.messages import ErrorCode, XferMetadata
 from pdwire.planning import Side
 from pdwire.transitions import LoadState
 
@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 #: 4.2-R4: the reason every request of the batch fails with when the engine is not found.
 ENGINE_NOT_FOUND: Final = "remote engine_id {engine_id} not found from bootstrap server {addr}"
 
-#: ``on_loaded(d_req_id)``: the request's KV is in its blocks; it may decode.
-OnLoaded = Callable[[str], None]
+#: ``on_loaded(d_req_id, pull_s)``: the request's KV is in its blocks; it may decode. ``pull_s``
+#: is the time from the first pull that carried it to the reply that completed it.
+OnLoaded = Callable[[str, float], None]
 #: ``on_failed(d_req_id, code, reason, blocks_free)``: loading failed for good; free the blocks
 #: now only when ``blocks_free``, else on ``on_released``.
 OnFailed = Callable[[str, ErrorCode, str, bool], None]
@@ -115,6 +116,7 @@ class ConsumerAgent:
         self._closed = False
         self._pulls_sent = 0
         self._replies_received = 0
+        self._first_pull: dict[str, float] = {}  # d_req_id -> loop time its first pull left
 
     @classmethod
     def config_for(cls, transport: MooncakeTransport, side: Side, **fields: Any) -> ConsumerConfig:
@@ -149,6 +151,7 @@ class ConsumerAgent:
         for pull in self._pulls.values():
             pull.socket.close(linger=0)
         self._pulls.clear()
+        self._first_pull.clear()
         self._ctx.destroy(linger=0)
 
     # -- the engine's calls (any thread; they return at once and apply in order) ----------
@@ -216,10 +219,14 @@ class ConsumerAgent:
                 self._queries.add(task)
                 task.add_done_callback(self._queries.discard)
             case RequestLoaded(d_req_id=d_req):
-                run_callback("on_loaded", self._on_loaded, d_req)
+                sent = self._first_pull.pop(d_req, None)
+                took = 0.0 if sent is None else self._thread.time() - sent
+                run_callback("on_loaded", self._on_loaded, d_req, took)
             case RequestFailed(d_req_id=d_req, code=code, reason=reason, blocks_free=free):
+                self._first_pull.pop(d_req, None)
                 run_callback("on_failed", self._on_failed, d_req, code, reason, free)
             case BlocksReleased(d_req_id=d_req):
+                self._first_pull.pop(d_req, None)
                 run_callback("on_released", self._on_released, d_req)
             case LeaseRejected(addr=addr, reason=reason):
                 logger.warning(
@@ -257,6 +264,11 @@ class ConsumerAgent:
             sock.close(linger=0)
             return
         self._pulls_sent += 1
+        if isinstance(pull.message, XferMetadata):
+            now = self._thread.time()
+            for d_req, (_, blocks) in pull.message.req_blocks.items():
+                if any(blocks):  # a release-only pull never loads
+                    self._first_pull.setdefault(d_req, now)
         sent = asyncio.ensure_future(sock.send(pull.data))
         sent.add_done_callback(functools.partial(_log_send_failure, pull.pull_id))
         reader = asyncio.create_task(self._read(pull.pull_id, sock), name=f"pull {pull.pull_id}")

@@ -133,7 +133,8 @@ class _Send:
 
 @dataclasses.dataclass
 class _Load:
-    """A D request's per-worker outcomes: ("loaded",) or ("failed", code, reason, free)."""
+    """A D request's per-worker outcomes: ("loaded"[, first pull, loaded]) or ("failed", code,
+    reason, free)."""
 
     outcome: list[asyncio.Future[tuple[Any, ...]]]
     released: list[asyncio.Future[None]]
@@ -305,8 +306,8 @@ class NodeEngine:
         if load is None:
             logger.warning("event %s for unknown request %s", name, req)
             return
-        if name == "loaded":
-            load.loop.call_soon_threadsafe(_set, load.outcome[index], ("loaded",))
+        if name == "loaded":  # args[1:3], if the agent gives them: its pulls' start and end
+            load.loop.call_soon_threadsafe(_set, load.outcome[index], ("loaded", *args[1:3]))
         elif name == "failed":
             load.loop.call_soon_threadsafe(_set, load.outcome[index], ("failed", *args[1:]))
         elif name == "released":
@@ -449,6 +450,8 @@ class NodeEngine:
         try:
             for i in range(job.max_tokens):
                 token = next_token(table, length, vocab)
+                if i == 0:
+                    timings["first_step"] = _ms(t0)
                 if token == EOS or token in job.stop_ids:
                     _stopped(gen, job, token)
                     return
@@ -561,6 +564,7 @@ class NodeEngine:
                     self._loads.pop(job.req, None)
         params = {"remote_prefill_cached_tokens": 0 if recomputed else len(job.ids)}
         extra: dict[str, Any] = {
+            "d_req_id": job.req,
             "verified": verified,
             "bytes_verified": nbytes,
             "recomputed": recomputed,
@@ -604,6 +608,9 @@ class NodeEngine:
         outcomes = await self._outcomes(job.req, load, timeout)
         timings["load"] = _ms(t0)
         failures = [o for o in outcomes if o[0] != "loaded"]
+        spans = [o[1:3] for o in outcomes if o[0] == "loaded" and len(o) == 3]
+        if spans and len(spans) == len(outcomes):  # the first pull sent to the last load
+            timings["pull"] = round((max(e for _, e in spans) - min(s for s, _ in spans)) * 1000, 3)
         if failures:
             return "; ".join(sorted({f"{o[1]}: {o[2]}" for o in failures})), False, 0, None
         t1 = time.perf_counter()

@@ -11,7 +11,9 @@ monotonic clock as ``now``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import threading
@@ -50,11 +52,27 @@ from .transport import ENGINE_RAISED, OK, MooncakeTransport
 logger = logging.getLogger(__name__)
 #: A batch write that takes longer is logged: D is waiting on it.
 SLOW_WRITE_S = 5.0
+#: How many completed batch writes ``recent_writes`` keeps.
+RECENT_WRITES = 256
 
 #: ``on_free(p_req_id, transfer_id, reason)``: P may free the request's blocks now.
 OnFree = Callable[[str, str, FreeReason], None]
 #: ``on_reject(p_req_id, transfer_id, code, message)``: fail the request's HTTP leg (§10.11.8).
 OnReject = Callable[[str, str, ErrorCode, str], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class WriteTime:
+    """One completed batch write: the D requests it carried, when the transfer engine call
+    started (``time.monotonic()``, one clock for every process of the host) and how long it
+    took, and what it moved (bytes counted only when its status was 0)."""
+
+    d_req_ids: tuple[str, ...]
+    started: float
+    seconds: float
+    descriptors: int
+    nbytes: int
+    status: int
 
 
 class AgentStartError(RuntimeError):
@@ -124,6 +142,7 @@ class ProducerAgent:
         self._replies_sent = 0
         self._writes = 0
         self._bytes_written = 0
+        self._recent: collections.deque[WriteTime] = collections.deque(maxlen=RECENT_WRITES)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -271,6 +290,11 @@ class ProducerAgent:
         """Bytes of the batch writes that completed with status 0."""
         return self._bytes_written
 
+    @property
+    def recent_writes(self) -> list[WriteTime]:
+        """The last ``RECENT_WRITES`` completed batch writes, oldest first."""
+        return list(self._recent)
+
     def wait_pulls(self, count: int, timeout: float) -> bool:
         """Block until ``pulls_received >= count``; False if ``timeout`` passed first."""
         with self._counted:
@@ -335,27 +359,36 @@ class ProducerAgent:
         self._writes += 1
         loop = self._thread.loop
         try:
-            done = loop.run_in_executor(
-                self._executor, self._transport.write, write.peer, write.descriptors
-            )
+            done = loop.run_in_executor(self._executor, self._timed_write, write)
         except RuntimeError:  # the executor is shut down: the agent is stopping
             logger.warning("%s: write %d not started: stopping", self._address, write.write_id)
             return
-        done.add_done_callback(functools.partial(self._write_done, write, time.monotonic()))
+        done.add_done_callback(functools.partial(self._write_done, write))
 
-    def _write_done(self, write: StartWrite, started: float, done: asyncio.Future[int]) -> None:
+    def _timed_write(self, write: StartWrite) -> tuple[int, float, float]:
+        """The engine's status, its start and its seconds, on the sender thread: queueing for a
+        thread and the hop back to the loop are not the write's."""
+        t0 = time.monotonic()
+        status = self._transport.write(write.peer, write.descriptors)
+        return status, t0, time.monotonic() - t0
+
+    def _write_done(
+        self, write: StartWrite, done: asyncio.Future[tuple[int, float, float]]
+    ) -> None:
         if done.cancelled():
             return
-        took = time.monotonic() - started
+        exc = done.exception()
+        if exc is not None:
+            logger.error("%s: write %d raised: %r", self._address, write.write_id, exc)
+        status, started, took = (ENGINE_RAISED, 0.0, 0.0) if exc is not None else done.result()
         if took > SLOW_WRITE_S:  # D waits on it: say which write, for whom
             logger.warning(
                 "%s: write %d to %s for %s took %.1fs",
                 self._address, write.write_id, write.peer, write.d_req_ids, took,
             )  # fmt: skip
-        exc = done.exception()
-        if exc is not None:
-            logger.error("%s: write %d raised: %r", self._address, write.write_id, exc)
-        status = ENGINE_RAISED if exc is not None else done.result()
-        if status == OK:
-            self._bytes_written += write.descriptors.total_bytes
+        nbytes = write.descriptors.total_bytes if status == OK else 0
+        self._bytes_written += nbytes
+        self._recent.append(
+            WriteTime(write.d_req_ids, started, took, len(write.descriptors), nbytes, status)
+        )
         self._feed(WriteCompleted(write.write_id, status))

@@ -39,13 +39,13 @@ also times the arrival of both legs' responses at the proxy::
     wait      = D.load - transfer - P prefill         D waiting for P beyond P's prefill: the P
                                                       leg's trip, P's queue, the pull round trip
     D         = D.queue + D.verify
-    proxy     = TTFT - (D.queue + D.load + D.verify)  the client-proxy-D hops, the relay, and D's
-                                                      first-token step
+    first step = D.first_step                         D computing the first token
+    proxy     = TTFT - (D.queue + D.load + D.verify + D.first_step)
+                                                      the client-proxy-D hops and the relay
 
-so ``proxy + P prefill + wait + transfer + D = TTFT``. Not measurable with what the nodes
-report: D's first-token step (the node times the whole decode only; it is inside ``proxy``),
-and ``transfer`` also holds the HTTP hop of each of the two responses (well under a
-millisecond on loopback).
+so ``proxy + P prefill + wait + transfer + D + first step = TTFT``. ``transfer`` also holds
+the HTTP hop of each of the two responses (well under a millisecond on loopback); the tax
+(``run_tax``) times P's write and D's pull apart from the hops, and the overhead of the whole.
 
 Throughput. ``transfer_gbps`` = bytes P wrote (P's ``/pdwire/stats``, summed over its workers,
 after minus before the requests) / the sum of the requests' ``transfer`` times. Descriptors per
@@ -86,14 +86,15 @@ from .kv_values import reference_completion
 from .node import NodeConfig
 from .node_api import NodeServer
 from .proxy import Prefill, Proxy, ProxyServer
+from .run_tax import WRITE_TARGET, Tax, overhead_ms, write_gbps, write_ms
 
 logger = logging.getLogger(__name__)
 
 MODEL: Final = "pdwire-synthetic"
-SPLIT_KEYS: Final = ("proxy", "p_prefill", "wait", "transfer", "d")
+SPLIT_KEYS: Final = ("proxy", "p_prefill", "wait", "transfer", "d", "first_step")
 NOT_MEASURED: Final = (
-    "D's first-token step: the node times its whole decode only, so it is inside 'proxy'",
-    "'transfer' also holds the HTTP hop of P's and of D's response to the proxy",
+    "'transfer' also holds the HTTP hop of P's and of D's response to the proxy "
+    "('P write' and 'D pull' do not)",
 )
 _SETTLE_S: Final = 10.0  # how long P may take to free the blocks of the last transfers
 _PROMPT_ATTEMPTS: Final = 20
@@ -582,15 +583,17 @@ def split_ms(outcome: Outcome, legs: Legs) -> dict[str, float] | None:
     ):
         return None
     queue, load, verify = (float(timings[k]) for k in ("queue", "load", "verify"))
+    first_step = float(timings.get("first_step", 0.0))
     d_loaded = legs.d_answered - verify / 1000
     transfer = min(max((d_loaded - legs.p_answered) * 1000, 0.0), load)
     p_prefill = min(float(legs.p_timings["prefill"]), load - transfer)
     return {
-        "proxy": ttft - (queue + load + verify),
+        "proxy": ttft - (queue + load + verify + first_step),
         "p_prefill": p_prefill,
         "wait": load - transfer - p_prefill,
         "transfer": transfer,
         "d": queue + verify,
+        "first_step": first_step,
     }
 
 
@@ -666,6 +669,7 @@ class Report:
     raw_error: str | None
     blocks_left: dict[str, int]
     requests_wall_s: float
+    tax: Tax
     wall_s: float = 0.0
 
     @property
@@ -716,10 +720,11 @@ class Report:
                 "why": o.why,
                 "ttft_ms": round_or_none(o.ttft_ms),
                 "split_ms": None if s is None else {k: round(v, 3) for k, v in s.items()},
+                "tax_ms": {k: round_or_none(v) for k, v in t.items()},
                 "bytes_verified": (o.pdwire or {}).get("bytes_verified"),
                 "timings_ms": (o.pdwire or {}).get("timings_ms"),
             }
-            for o, s in zip(self.outcomes, self.splits, strict=True)
+            for o, s, t in zip(self.outcomes, self.splits, self.tax.per_request, strict=True)
         ]
         return {
             "requests": len(self.outcomes),
@@ -731,6 +736,7 @@ class Report:
             "transfer_gbps": round_or_none(self.transfer_gbps, 4),
             "raw_engine_gbps": round_or_none(self.raw.gbps if self.raw else None, 4),
             "transfer_to_raw_ratio": round_or_none(self.ratio, 4),
+            "tax": self.tax.as_dict(),
             "raw_engine_error": self.raw_error,
             "descriptors_per_request": self.descriptors_per_request,
             "kv_mb_per_request": self.kv_bytes / 1e6,
@@ -748,6 +754,27 @@ class Report:
             ],
             "per_request": per_request,
         }
+
+    def _tax_rows(
+        self, ms: Callable[[float | None], str], gbps: Callable[[float | None], str]
+    ) -> list[tuple[str, str]]:
+        tax, p50 = self.tax, self.tax.p50()
+        ratio = tax.write_ratio
+        target = tax.overhead_target_ms
+        return [
+            ("P write (p50)", f"{ms(p50['write'])} (the engine's calls for the request)"),
+            (
+                "  P write speed",
+                f"{gbps(tax.write_gbps)}"
+                + ("" if ratio is None else f" = {ratio:.2f} of raw (target >= {WRITE_TARGET})"),
+            ),
+            ("D pull (p50)", f"{ms(p50['pull'])} (first pull sent to the reply that completed it)"),
+            (
+                "overhead (p50)",
+                f"{ms(p50['overhead'])} = TTFT - P prefill - D first step - D verify"
+                + ("" if target is None else f" (target <= {target:.1f} ms)"),
+            ),
+        ]
 
     def summary(self) -> str:
         def ms(value: float | None) -> str:
@@ -775,6 +802,8 @@ class Report:
             ("  wait (p50)", ms(split["wait"])),
             ("  transfer (p50)", ms(split["transfer"])),
             ("  D queue+verify (p50)", ms(split["d"])),
+            ("  D first step (p50)", ms(split["first_step"])),
+            *self._tax_rows(ms, gbps),
             ("transfer", f"{gbps(self.transfer_gbps)} (bytes P wrote / sum of transfer times)"),
             ("raw engine", raw_text),
             ("transfer / raw", ratio),
@@ -883,7 +912,32 @@ def _measure(
         raw_error=raw_error,
         blocks_left={"prefill": after["blocks_in_use"], "decode": d_after["blocks_in_use"]},
         requests_wall_s=requests_wall,
+        tax=_tax(deployment, outcomes, after, kv_bytes, raw),
     )
+
+
+def _tax(
+    deployment: Deployment,
+    outcomes: list[Outcome],
+    p_stats: dict[str, Any],
+    kv_bytes: int,
+    raw: RawResult | None,
+) -> Tax:
+    d_reqs = {o.case.request_id: str((o.pdwire or {}).get("d_req_id", "")) for o in outcomes}
+    writes = write_ms(p_stats, d_reqs.values())
+    per_request = []
+    for o in outcomes:
+        timings = (o.pdwire or {}).get("timings_ms") or {}
+        legs = deployment.tap.legs(o.case.request_id)
+        per_request.append(
+            {
+                "write": writes.get(d_reqs[o.case.request_id]),
+                "pull": timings.get("pull"),
+                "overhead": overhead_ms(o.ttft_ms, legs.p_timings, timings),
+            }
+        )
+    raw_gbps = None if raw is None else raw.gbps
+    return Tax(per_request, write_gbps(p_stats, d_reqs.values()), raw_gbps, kv_bytes)
 
 
 def write_json(report: Report, path: str) -> None:

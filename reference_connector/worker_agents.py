@@ -7,8 +7,8 @@ an ``Agent``. That is how the engine node serves as a testee for a foreign P or 
 
 An agent reports what happened through ``WorkerContext.emit``: ``("event", "free", p_req_id,
 reason)`` and ``("event", "reject", p_req_id, code, message)`` on P; ``("event", "loaded",
-d_req_id)``, ``("event", "failed", d_req_id, code, reason, blocks_free)`` and ``("event",
-"released", d_req_id)`` on D.
+d_req_id[, first_pull_at, loaded_at])`` (``time.monotonic()`` readings), ``("event", "failed",
+d_req_id, code, reason, blocks_free)`` and ``("event", "released", d_req_id)`` on D.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -178,7 +179,7 @@ class ReferenceAgent:
                 self.consumer = consumer_agent(
                     d_config,
                     self.transport,
-                    on_loaded=lambda d_req: ctx.emit("event", "loaded", d_req),
+                    on_loaded=self._loaded,
                     on_failed=lambda d_req, code, why, free: ctx.emit(
                         "event", "failed", d_req, str(code), why, free
                     ),
@@ -217,6 +218,10 @@ class ReferenceAgent:
             # Aborted before any pull carried its blocks: they are the node's again at once.
             self.consumer.abort(d_req_id, on_unsent=self._unsent)
 
+    def _loaded(self, d_req_id: str, pull_s: float) -> None:
+        now = time.monotonic()  # one clock for every worker of the host
+        self._emit("event", "loaded", d_req_id, now - pull_s, now)
+
     def _unsent(self, d_req_id: str) -> None:
         self._emit("event", "failed", d_req_id, "CANCELLED", "aborted before any pull", True)
 
@@ -230,6 +235,17 @@ class ReferenceAgent:
         if self.producer is not None:
             p = self.producer
             stats.update(address=p.address, pulls_received=p.pulls_received, writes=p.writes)
+            stats["recent_writes"] = [
+                {
+                    "d_req_ids": list(w.d_req_ids),
+                    "started": w.started,
+                    "ms": round(w.seconds * 1000, 3),
+                    "descriptors": w.descriptors,
+                    "bytes": w.nbytes,
+                    "status": w.status,
+                }
+                for w in p.recent_writes
+            ]
         if self.consumer is not None:
             c = self.consumer
             stats.update(pulls_sent=c.pulls_sent, open_sockets=c.open_sockets)

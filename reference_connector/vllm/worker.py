@@ -244,7 +244,8 @@ class PdwireWorker:
     def _on_reject(self, p_req: str, transfer_id: str, code: ErrorCode, message: str) -> None:
         logger.error("request %s (%s) rejected: %s %s", p_req, transfer_id, code, message)
 
-    def _on_loaded(self, d_req: str) -> None:
+    def _on_loaded(self, d_req: str, pull_s: float) -> None:
+        logger.debug("request %s: KV loaded, %.1f ms after its first pull", d_req, pull_s * 1000)
         with self._lock:
             if self._loading.pop(d_req, None) is not None:
                 self._aborted.discard(d_req)

@@ -193,7 +193,7 @@ class Rig:
 
     # -- callbacks (agents' loop threads) ----------------------------------------------------
 
-    def _on_loaded(self, d_req: str) -> None:
+    def _on_loaded(self, d_req: str, _pull_s: float) -> None:
         now = time.perf_counter()
         hook = self.on_loaded_hook
         if hook is not None:

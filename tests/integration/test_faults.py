@@ -79,7 +79,7 @@ class FaultCluster(Cluster):
         w.agent = ConsumerAgent(
             config,
             memory.transport,
-            on_loaded=lambda d_req: w.inbox.put(f"loaded:{d_req}"),
+            on_loaded=lambda d_req, _s: w.inbox.put(f"loaded:{d_req}"),
             on_failed=lambda d_req, code, why, free: w.inbox.put(
                 f"failed:{d_req}", code, why, free
             ),

@@ -91,8 +91,13 @@ def test_every_request_verifies(
         split = r["split_ms"]
         assert split["transfer"] >= 0 and split["p_prefill"] >= 0 and split["wait"] >= 0
         assert sum(split.values()) == pytest.approx(r["ttft_ms"], abs=0.01)
+        # P's writes happen inside D's pull: the pull left before them and ends with the reply.
+        tax = r["tax_ms"]
+        assert 0 < tax["write"] <= tax["pull"] and tax["overhead"] > 0
+    assert report["tax"]["write_gbps"] > 0 and report["tax"]["overhead_target_ms"] > 0
     assert f"starting P node ({p_split}) with its bootstrap server" in err
     assert "verified" in out and "raw engine" in out
+    assert "P write (p50)" in out and "D pull (p50)" in out and "overhead (p50)" in out
 
 
 @needs_mooncake
