@@ -147,10 +147,12 @@ class ProducerEnv(OfPEngine):
             self.engine.close()
 
     async def serving(self) -> str | None:
-        """Whether P still serves (``runner.Probe``): its bootstrap server answers ``/query``
-        and each of its workers answers a lease renewal of a transfer it never had: every P
+        """Whether P still serves (``runner.Probe``): its bootstrap server answers ``/query``;
+        each of its workers answers a lease renewal of a transfer it never had: every P
         answers one at once (3.9-R5; a P without a lease, or older than vLLM 0.34, with
-        ``ERROR``), and it creates nothing (6.4-R3)."""
+        ``ERROR``), and it creates nothing (6.4-R3); and its engine answers a P leg, whose
+        transfer a release-only pull of every D worker then ends (10.10.8). A P that still
+        talks but can no longer take a request (its blocks all held) fails the last."""
         t = ProducerCtx(self, WireLog())
         got = await request(self.http, "GET", f"{self.options.bootstrap}/query", t.log)
         if got.status == 0:
@@ -164,7 +166,7 @@ class ProducerEnv(OfPEngine):
                         f"{self.options.request_timeout:.1f}s to a lease renewal: its side "
                         "channel no longer serves"
                     )
-        return None
+        return await _takes_a_request(t)
 
     def worker(self, tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0) -> DWorker:
         key = (tp_size, tp_rank, pp_size, pp_rank)
@@ -175,6 +177,19 @@ class ProducerEnv(OfPEngine):
 
     def next_id(self) -> int:
         return next(self._ids)
+
+
+async def _takes_a_request(t: ProducerCtx) -> str | None:
+    """Why P cannot take a P leg now, or None once it took one and D released it."""
+    tid = t.new_transfer_id()
+    leg = await t.prefill(tid)
+    if leg.status == 0:
+        return f"P did not answer a P leg within {t.options.request_timeout:.1f}s ({leg.error})"
+    if not leg.ok:
+        return f"P answered a P leg with HTTP {leg.status} {leg.body!r}"
+    d_req = t.new_d_req()
+    await asyncio.gather(*(t.pull_to_targets(w, tid, d_req, []) for w in t.d_workers()))
+    return None
 
 
 @dataclasses.dataclass

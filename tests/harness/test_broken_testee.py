@@ -111,6 +111,24 @@ async def test_the_producer_probe_tells_a_serving_p_from_a_deaf_one() -> None:
 
 
 @pytest.mark.asyncio
+async def test_the_producer_probe_tells_a_p_that_can_take_no_request() -> None:
+    """The mutant never frees a sent transfer's blocks and its pool holds one prompt's: after
+    the probe's own request its side channel still answers, but no P leg can be served."""
+    p = testees.start_node(
+        "prefill", extra=["--num-blocks", "12"], env=preload.environ("p-keeps-blocks")
+    )
+    env = ProducerEnv(ProducerOptions(p.url, p.bootstrap, request_timeout=3.0))
+    try:
+        await env.open()
+        assert await env.serving() is None
+        why = await env.serving()
+        assert why is not None and why.startswith("P did not answer a P leg within 3.0s"), why
+    finally:
+        p.stop()
+        await env.close()
+
+
+@pytest.mark.asyncio
 async def test_the_consumer_probe_tells_a_serving_d_from_a_stopped_one() -> None:
     # the fake P writes random bytes, which a D that checks its KV takes for a failed load
     d = testees.start_node("decode", extra=["--no-verify-kv"])
