@@ -25,12 +25,18 @@ help:
 	@echo "make fuzz       coverage-guided fuzzing of every decoder and both sessions (FUZZ_SECONDS=60 per target)"
 	@echo "make schemas | vectors | spec-tables   regenerate the spec's generated parts from the code"
 
-# System libraries the Mooncake transfer engine needs even over TCP.
+# System packages: the library the Mooncake transfer engine needs even over TCP, and tcpdump,
+# whose captures the tests of pdwire decode --pcap read.
 sysdeps:
 	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
 	  echo "installing libibverbs1 (needed by the Mooncake transfer engine)"; \
 	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or: apt-get install -y libibverbs1" >&2; exit 1; fi; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+	fi
+	@if ! command -v tcpdump >/dev/null; then \
+	  echo "installing tcpdump (the capture that pdwire decode --pcap is tested on)"; \
+	  if [ "$$(id -u)" != 0 ]; then echo "run as root, or: apt-get install -y tcpdump" >&2; exit 1; fi; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tcpdump >/dev/null; \
 	fi
 
 # Graphviz draws the site's state diagrams.
@@ -85,6 +91,7 @@ bench: $(STAMP) sysdeps
 	$(PY) -m tests.bench.sim_scaling
 	$(PY) -m tests.bench.runtime_ratios
 	$(PY) -m tests.bench.node_ratios
+	$(PY) -m tests.bench.tap_ratios
 	$(VENV)/bin/pytest tests/bench --benchmark-enable --benchmark-columns=min,median,ops
 
 # The long fuzz run; `make test` runs a short one (tests/fuzz). FUZZ_ARGS=--update-corpus keeps

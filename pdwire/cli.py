@@ -13,12 +13,13 @@ from typing import Any, BinaryIO
 
 import msgspec
 
-from . import __version__, spectables, vectors
+from . import __version__, capture, spectables, vectors
 from .codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
 from .errors import PdwireError
 from .extras import COMMANDS, install_hint, missing, named
 from .legacy import older_variants
 from .messages import LeaseHeartbeat, XferCancel, XferMetadataV2, XferResponseV2
+from .observer import Observer, summary_table
 from .schema import schemas
 from .vectors import ENCODERS, as_json
 from .versions import WIRE_VERSION
@@ -53,6 +54,11 @@ def _unhex(data: bytes) -> bytes:
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
+    if (args.pcap is None) == (not args.files):
+        print("pdwire decode: give FILE... or --pcap FILE", file=sys.stderr)
+        return EXIT_USAGE
+    if args.pcap is not None:
+        return _decode_pcap(args.pcap, args.follow, args.max_size)
     status = EXIT_OK
     for source in args.files:
         data = _unhex(_read(source))
@@ -74,6 +80,26 @@ def cmd_decode(args: argparse.Namespace) -> int:
             out = {"source": source, **out}
         print(json.dumps(out, indent=None if args.compact else 2))
     return status
+
+
+def _decode_pcap(path: str, follow: str | None, max_size: int) -> int:
+    observer = Observer(follow, max_size)
+    last = 0.0
+    try:
+        with open(path, "rb") as source:
+            for seen in capture.messages(source):
+                last = seen.at
+                record = observer.see(seen)
+                if observer.shown(record):
+                    print(json.dumps(record, separators=(",", ":")))
+    except (OSError, capture.CaptureError) as exc:
+        print(f"pdwire decode: {path}: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    rows = observer.summary(last)
+    for row in rows:
+        print(json.dumps({"summary": row}, separators=(",", ":")))
+    print(summary_table(rows), file=sys.stderr)
+    return EXIT_OK
 
 
 def cmd_encode(args: argparse.Namespace) -> int:
@@ -200,9 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode captured side-channel messages to JSON",
         description="Decode side-channel messages (raw msgpack, or hex) to JSON. The kind "
         "(pull, response, cancel, heartbeat) is detected from the keys. Exit 1 if any input is "
-        "invalid.",
+        "invalid. With --pcap FILE: every side-channel message of a tcpdump capture (pcap), "
+        "as JSON lines like pdwire tap's, then a summary line per transfer (and a table of "
+        "them on stderr).",
     )
-    p.add_argument("files", nargs="+", metavar="FILE", help="file to read, or - for stdin")
+    p.add_argument("files", nargs="*", metavar="FILE", help="file to read, or - for stdin")
+    p.add_argument("--pcap", metavar="FILE", help="a capture: tcpdump -i lo -w FILE tcp")
+    p.add_argument("--follow", metavar="TRANSFER_ID", help="with --pcap: this transfer only")
     p.add_argument("--max-size", type=int, default=DEFAULT_MAX_MESSAGE_BYTES, metavar="BYTES")
     p.add_argument("--compact", action="store_true", help="one line of JSON per message")
     p.set_defaults(func=cmd_decode)

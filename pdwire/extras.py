@@ -17,6 +17,7 @@ COMMANDS: Final[dict[str, tuple[str, ...]]] = {
     "node": ("node",),
     "proxy": ("runtime",),
     "run": ("node",),
+    "tap": ("runtime",),
 }
 _EXTRA: Final = re.compile(r"""\bextra\s*==\s*["']([^"']+)["']""")
 _REQUIREMENT: Final = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?")

@@ -8,9 +8,10 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 if TYPE_CHECKING:  # uvicorn and FastAPI load only when a server starts
     from .http_server import AppServer
@@ -26,9 +27,13 @@ def serve(
     start: Callable[[], A],
     banner: Callable[[A], str],
     failures: tuple[type[BaseException], ...] = (RuntimeError, TimeoutError),
+    *,
+    duration: float | None = None,
+    banner_stream: TextIO | None = None,
 ) -> int:
-    """Start with ``start`` and serve until a signal: 0 on a clean stop, 1 if the server died or
-    failed to start (``failures``), 2 on bad usage (bind errors, bad values)."""
+    """Start with ``start`` and serve until a signal (or ``duration`` seconds): 0 on a clean
+    stop, 1 if the server died or failed to start (``failures``), 2 on bad usage (bind errors,
+    bad values). The banner goes to ``banner_stream`` (stdout)."""
     try:
         server = start()
     except (OSError, ValueError) as exc:
@@ -43,12 +48,15 @@ def serve(
         stop.set()
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(banner(server), flush=True)
+    print(banner(server), file=banner_stream or sys.stdout, flush=True)
+    end = None if duration is None else time.monotonic() + duration
     try:
-        while not stop.wait(_POLL_S):
+        while not stop.wait(_POLL_S if end is None else min(_POLL_S, end - time.monotonic())):
             if not server.alive:
                 print(f"pdwire {command}: the server stopped serving", file=sys.stderr)
                 return EXIT_FAILED
+            if end is not None and time.monotonic() >= end:
+                break
         return EXIT_OK
     finally:
         server.stop()
