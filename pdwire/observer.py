@@ -102,17 +102,25 @@ def d_worker_of(msg: XferMetadata | XferCancel) -> str:
     return f"{msg.remote_hostname}:{msg.remote_port} tp{msg.remote_tp_rank}"
 
 
-def bytes_asked(msg: XferMetadata, blocks: Sequence[Sequence[int]]) -> int:
-    """The payload bytes of ``blocks`` over the regions ``msg`` describes: per region, its
-    payload per block (``kv_block_lens``, else ``block_lens``) times its group's block count.
-    0 for a pull that omits its layout (§3.7)."""
+#: Per region of a pull's layout: its payload bytes per block and its KV-cache group.
+Layout = tuple[tuple[int, int], ...]
+
+
+def layout_of(msg: XferMetadata) -> Layout | None:
+    """The payload per block (``kv_block_lens``, else ``block_lens``) and group of each region
+    ``msg`` describes; None when it omits its layout (§3.7)."""
+    if not msg.kv_caches_base_addr:
+        return None
     payloads = msg.kv_block_lens or msg.block_lens
     groups = msg.registered_group_indices or [0] * len(payloads)
-    total = 0
-    for payload, group in zip(payloads, groups, strict=False):
-        if 0 <= group < len(blocks):
-            total += payload * len(blocks[group])
-    return total
+    return tuple(zip(payloads, groups, strict=False))
+
+
+def bytes_asked(layout: Layout, blocks: Sequence[Sequence[int]]) -> int:
+    """The payload bytes of ``blocks`` (D's block ids per group) over ``layout``'s regions."""
+    return sum(
+        payload * len(blocks[group]) for payload, group in layout if 0 <= group < len(blocks)
+    )
 
 
 class Observer:
@@ -123,6 +131,9 @@ class Observer:
         self.follow = follow
         self.max_size = max_size
         self._sent: dict[int, _Sent] = {}
+        # (P worker, D worker, layout_id) -> the layout a pull sent: what later pulls that
+        # omit it mean (§3.7)
+        self._layouts: dict[tuple[str, str, int], Layout] = {}
         self._transfers: dict[str, _Transfer] = {}
 
     def see(self, seen: Seen) -> dict[str, Any]:
@@ -179,6 +190,7 @@ class Observer:
             requests = {d: tid for d, (tid, _) in msg.req_blocks.items()}
             loads = frozenset(d for d, (_, blocks) in msg.req_blocks.items() if any(blocks))
             sent = _Sent(seen.at, kind, d_worker_of(msg), requests, loads)
+            layout = self._layout(seen.p_worker, sent.d_worker, msg)
             for d_req, (tid, blocks) in msg.req_blocks.items():
                 t = self._transfer(tid, seen.at)
                 t.pulls += 1
@@ -188,7 +200,7 @@ class Observer:
                     if sent.d_worker not in t.d_workers:  # D's blocks fill once per D worker
                         t.d_workers.add(sent.d_worker)
                         t.blocks += sum(len(g) for g in blocks)
-                        t.bytes += bytes_asked(msg, blocks)
+                        t.bytes += 0 if layout is None else bytes_asked(layout, blocks)
         elif isinstance(msg, XferCancel):
             sent = _Sent(seen.at, kind, d_worker_of(msg), dict(msg.cancel_reqs), frozenset())
             for tid in msg.cancel_reqs.values():
@@ -202,6 +214,15 @@ class Observer:
             return None
         self._sent[seen.conn] = sent
         return sent
+
+    def _layout(self, p_worker: str, d_worker: str, msg: XferMetadata) -> Layout | None:
+        key = (p_worker, d_worker, msg.layout_id)
+        layout = layout_of(msg)
+        if layout is None:
+            return self._layouts.get(key)
+        if msg.layout_id:
+            self._layouts[key] = layout
+        return layout
 
     def _on_reply(self, seen: Seen, msg: XferResponse, record: dict[str, Any]) -> _Sent | None:
         record["status"] = msg.status.name

@@ -49,16 +49,23 @@ class Records:
 
 
 @pytest.fixture(scope="module")
-def nodes() -> Iterator[tuple[testees.Testee, testees.Testee]]:
+def prefill() -> Iterator[testees.Testee]:
     p = testees.start_node("prefill")
     try:
-        d = testees.start_node("decode")
-        try:
-            yield p, d
-        finally:
-            d.stop()
+        yield p
     finally:
         p.stop()
+
+
+@pytest.fixture
+def nodes(prefill: testees.Testee) -> Iterator[tuple[testees.Testee, testees.Testee]]:
+    """P, and a D of its own: a D keeps the worker addresses of an engine it queried once, so
+    it would keep pulling through an earlier test's tap."""
+    d = testees.start_node("decode")
+    try:
+        yield prefill, d
+    finally:
+        d.stop()
 
 
 def _engine_id(bootstrap: str) -> str:

@@ -63,7 +63,8 @@ def test_a_reply_answers_the_pull_of_its_connection() -> None:
     (row,) = w.obs.summary(w.now)
     assert row["verdict"] == "loaded" and row["pulls"] == row["replies"] == 1
     assert row["blocks"] == 2 and row["ms"] == 1.0
-    assert row["bytes"] == observer.bytes_asked(seed_pull(), [[1, 2]]) > 0
+    layout = observer.layout_of(seed_pull())
+    assert layout is not None and row["bytes"] == observer.bytes_asked(layout, [[1, 2]]) > 0
 
 
 def test_failures_name_the_message_and_an_error_fails_every_request_of_the_pull() -> None:
@@ -151,9 +152,28 @@ def test_bytes_asked_follow_each_region_group() -> None:
         remote_tp_size=1,
         remote_tp_rank=0,
         req_blocks={},
-        kv_caches_base_addr=[0, 0, 0],
+        kv_caches_base_addr=[1, 2, 3],
         block_lens=[64, 64, 32],
         kv_block_lens=[48, 48, 32],
         registered_group_indices=[0, 1, 1],
     )
-    assert observer.bytes_asked(msg, [[1, 2], [3]]) == 48 * 2 + 48 + 32
+    layout = observer.layout_of(msg)
+    assert layout == ((48, 0), (48, 1), (32, 1))
+    assert observer.bytes_asked(layout, [[1, 2], [3]]) == 48 * 2 + 48 + 32
+
+
+def test_a_pull_that_omits_its_layout_means_the_one_sent_under_its_layout_id() -> None:
+    """§3.7: the first pull of a D worker to a P worker carries its layout under a layout_id,
+    later ones only the id; another D worker's layout is not its own."""
+    w = Wire()
+    full = msgspec.structs.replace(seed_pull(), layout_id=7, req_blocks={"r1": ("t1", [[1]])})
+    short = msgspec.structs.replace(
+        full, req_blocks={"r2": ("t2", [[2]])}, kv_caches_base_addr=[], block_lens=[],
+        kv_block_lens=[], registered_layer_names=[], registered_layer_indices=[],
+        registered_group_indices=[], registered_shared_group_ids=[], registered_row_offsets=[],
+    )  # fmt: skip
+    other = msgspec.structs.replace(short, remote_port=1, req_blocks={"r3": ("t3", [[3]])})
+    for conn, msg in enumerate((full, short, other)):
+        w.d(conn, encode_pull(msg, "legacy"))
+    rows = {r["transfer_id"]: r["bytes"] for r in w.obs.summary(w.now)}
+    assert rows["t1"] == rows["t2"] > 0 and rows["t3"] == 0
