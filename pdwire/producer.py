@@ -174,6 +174,14 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
     def open_pulls(self) -> int:
         return len(self._pulls)
 
+    def transfers_by_state(self) -> dict[str, int]:
+        """How many transfers P knows in each state, by the state's value."""
+        counts: dict[str, int] = {}
+        for t in self._transfers.values():
+            if t.state is not None:
+                counts[t.state.value] = counts.get(t.state.value, 0) + 1
+        return counts
+
     # -- transfers ---------------------------------------------------------------------------
 
     def _move(self, t: _Transfer, event: TransferEvent) -> None:

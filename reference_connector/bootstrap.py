@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from pdwire import error_strings as es
 from pdwire import sections
@@ -33,6 +33,7 @@ from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
 from .body_limit import REGISTER_BODY_LIMIT, BodyLimit
 from .http_server import AppServer
+from .metrics import CONTENT_TYPE, Counts, render
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_V
     app = FastAPI(title="pdwire bootstrap server", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=REGISTER_BODY_LIMIT)  # 4.1-R17
     app.state.registry = Registry(keep_pdwire_fields=not legacy)
+    counts = Counts()
 
     @app.post("/register", response_model=None)
     async def register(request: Request) -> dict[str, Any] | JSONResponse:
@@ -218,13 +220,16 @@ def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_V
             app.state.registry.register(payload)
         except RegistrationRejected as exc:
             logger.warning("rejected registration (HTTP %d): %s", exc.status, exc.detail)
+            counts.inc("pdwire_bootstrap_registrations_total", "rejected")
             return _error(exc.status, exc.detail)
+        counts.inc("pdwire_bootstrap_registrations_total", "ok")
         announced = payload.pdwire_version is not None and not legacy
         return RegisterReply(pdwire_version=server_version if announced else None).dump()
 
     @app.get("/query")
     async def query() -> dict[str, Any]:
         registry: Registry = app.state.registry
+        counts.inc("pdwire_bootstrap_queries_total")
         return registry.query().dump()
 
     if not legacy:
@@ -232,6 +237,13 @@ def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_V
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            entries = app.state.registry.query().root.values()
+            workers = sum(len(stages) for e in entries for stages in e.worker_addr.values())
+            gauges = {"pdwire_bootstrap_workers": {"": float(workers)}}
+            return Response(render(counts.snapshot(), gauges), media_type=CONTENT_TYPE)
 
     return app
 

@@ -40,12 +40,13 @@ from pdwire.events import (
     TimePassed,
 )
 from pdwire.http_models import EngineEntry
-from pdwire.messages import ErrorCode, XferMetadata
+from pdwire.messages import ErrorCode, LeaseHeartbeat, XferCancel, XferMetadata
 from pdwire.planning import Side
 from pdwire.transitions import LoadState
 
 from . import bootstrap_client
-from .loop_thread import DeadlineTimer, LoopThread, run_callback
+from .loop_thread import DeadlineTimer, LoopThread, on_loop, run_callback
+from .metrics import Counts
 from .transport import MooncakeTransport
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,13 @@ class _OpenPull:
 def _log_send_failure(pull_id: int, sent: asyncio.Future[Any]) -> None:
     if not sent.cancelled() and sent.exception() is not None:
         logger.warning("pull %d: not sent: %r", pull_id, sent.exception())
+
+
+def _kind(message: XferMetadata | XferCancel | LeaseHeartbeat) -> str:
+    """The ``kind`` label of a message D sends (a pdwire/2 pull is an ``XferMetadata`` too)."""
+    if isinstance(message, XferMetadata):
+        return "pull"
+    return "cancel" if isinstance(message, XferCancel) else "heartbeat"
 
 
 def _session_of(transport: MooncakeTransport) -> tuple[str, int]:
@@ -117,6 +125,7 @@ class ConsumerAgent:
         self._pulls_sent = 0
         self._replies_received = 0
         self._first_pull: dict[str, float] = {}  # d_req_id -> loop time its first pull left
+        self.counts = Counts()  # touched on the loop thread only
 
     @classmethod
     def config_for(cls, transport: MooncakeTransport, side: Side, **fields: Any) -> ConsumerConfig:
@@ -189,6 +198,16 @@ class ConsumerAgent:
     def open_sockets(self) -> int:
         return len(self._pulls)
 
+    def metrics(self) -> dict[str, Any]:
+        """The agent's counts, with the leases its session renews (``metrics.Counts``)."""
+
+        async def read() -> dict[str, Any]:
+            snapshot = self.counts.snapshot()
+            snapshot["values"]["pdwire_d_leases"] = {"": self._session.leases}
+            return snapshot
+
+        return on_loop(self._thread, read(), self.counts.snapshot)
+
     # -- the loop thread ---------------------------------------------------------------------
 
     def _on_timer(self) -> None:
@@ -221,9 +240,13 @@ class ConsumerAgent:
             case RequestLoaded(d_req_id=d_req):
                 sent = self._first_pull.pop(d_req, None)
                 took = 0.0 if sent is None else self._thread.time() - sent
+                self.counts.inc("pdwire_d_loads_total", "loaded")
+                self.counts.observe("pdwire_d_pull_seconds", took)
                 run_callback("on_loaded", self._on_loaded, d_req, took)
             case RequestFailed(d_req_id=d_req, code=code, reason=reason, blocks_free=free):
                 self._first_pull.pop(d_req, None)
+                self.counts.inc("pdwire_d_loads_total", "failed")
+                self.counts.inc("pdwire_d_failures_total", str(code))
                 run_callback("on_failed", self._on_failed, d_req, code, reason, free)
             case BlocksReleased(d_req_id=d_req):
                 self._first_pull.pop(d_req, None)
@@ -264,6 +287,7 @@ class ConsumerAgent:
             sock.close(linger=0)
             return
         self._pulls_sent += 1
+        self.counts.inc("pdwire_d_messages_sent_total", _kind(pull.message))
         if isinstance(pull.message, XferMetadata):
             now = self._thread.time()
             for d_req, (_, blocks) in pull.message.req_blocks.items():

@@ -109,6 +109,18 @@ async def _cancel_all_tasks() -> None:
             logger.warning("task %s ended with %r while stopping", task.get_name(), result)
 
 
+def on_loop(thread: LoopThread, coro: Coroutine[Any, Any, T], otherwise: Callable[[], T]) -> T:
+    """``coro``'s result, run on ``thread``'s loop (so it reads what only that thread touches),
+    or ``otherwise()`` when the loop no longer runs or does not answer within 5 s."""
+    if not thread.alive:
+        coro.close()
+        return otherwise()
+    try:
+        return thread.submit(coro).result(timeout=5.0)
+    except (RuntimeError, concurrent.futures.TimeoutError):
+        return otherwise()
+
+
 class DeadlineTimer:
     """One loop timer for a session's ``next_deadline()``: ``arm`` after every ``handle`` moves
     it, keeps it, or cancels it; when it fires, ``fire()`` runs on the loop thread."""

@@ -129,6 +129,7 @@ class _Send:
     blocks: BlockTable
     pending: set[int]
     rejected: tuple[str, str] | None = None
+    since: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
@@ -275,6 +276,7 @@ class NodeEngine:
 
         with self._lock:
             held = len(self._sends)
+            oldest = min((s.since for s in self._sends.values()), default=None)
         fingerprint = self.workers[0].spec.fingerprint() if self.workers else None
         return {
             "role": c.role,
@@ -290,6 +292,7 @@ class NodeEngine:
             "blocks_total": self.allocator.num_blocks,
             "blocks_in_use": self.allocator.in_use,
             "transfers_held": held,
+            "oldest_held_s": 0.0 if oldest is None else round(time.monotonic() - oldest, 3),
             "requests": dict(self.counts),
             "workers": list(await asyncio.gather(*(one(w) for w in self.workers))),
         }

@@ -19,6 +19,7 @@ from starlette.background import BackgroundTask
 from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
 from .http_server import AppServer
 from .kv_content import chat_prompt, render, tokenize
+from .metrics import CONTENT_TYPE, of_node
 from .node import Generation, Job, NodeConfig, NodeEngine, NodeError
 from .node_worker import WorkerError
 
@@ -208,6 +209,10 @@ def create_app(engine: NodeEngine) -> FastAPI:
     @app.get("/pdwire/stats")
     async def stats() -> dict[str, Any]:
         return await engine.stats()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(of_node(await engine.stats()), media_type=CONTENT_TYPE)
 
     async def asleep(state: bool) -> Response:
         try:

@@ -40,13 +40,14 @@ from pdwire.events import (
     WriteCompleted,
 )
 from pdwire.http_models import RegisterWorkerPayload
-from pdwire.messages import ErrorCode
+from pdwire.messages import ErrorCode, XferResponse, XferResponseStatus
 from pdwire.negotiation import Offer
 from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.versions import PDWIRE_2, Capability
 
 from . import bootstrap_client
-from .loop_thread import DeadlineTimer, LoopThread, run_callback
+from .loop_thread import DeadlineTimer, LoopThread, on_loop, run_callback
+from .metrics import Counts
 from .transport import ENGINE_RAISED, OK, MooncakeTransport
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,17 @@ class WriteTime:
     descriptors: int
     nbytes: int
     status: int
+
+
+def _count_reply(counts: Counts, reply: XferResponse) -> None:
+    """A reply sent, and each request it failed by its error code (UNKNOWN: a legacy reply
+    names none); an ERROR that lists no request fails the pull, counted once."""
+    counts.inc("pdwire_p_replies_sent_total", reply.status.name)
+    code = getattr(reply, "err_code", None) or "UNKNOWN"
+    codes = getattr(reply, "err_codes", None) or {}
+    failed = reply.err_reqs or ([""] if reply.status is XferResponseStatus.ERROR else [])
+    for d_req in failed:
+        counts.inc("pdwire_p_failures_total", codes.get(d_req) or code)
 
 
 class AgentStartError(RuntimeError):
@@ -143,6 +155,7 @@ class ProducerAgent:
         self._writes = 0
         self._bytes_written = 0
         self._recent: collections.deque[WriteTime] = collections.deque(maxlen=RECENT_WRITES)
+        self.counts = Counts()  # touched on the loop thread only
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -290,6 +303,16 @@ class ProducerAgent:
         """Bytes of the batch writes that completed with status 0."""
         return self._bytes_written
 
+    def metrics(self) -> dict[str, Any]:
+        """The agent's counts, with its session's transfers by state (``metrics.Counts``)."""
+
+        async def read() -> dict[str, Any]:
+            snapshot = self.counts.snapshot()
+            snapshot["values"]["pdwire_p_transfers"] = self._session.transfers_by_state()
+            return snapshot
+
+        return on_loop(self._thread, read(), self.counts.snapshot)
+
     @property
     def recent_writes(self) -> list[WriteTime]:
         """The last ``RECENT_WRITES`` completed batch writes, oldest first."""
@@ -315,6 +338,7 @@ class ProducerAgent:
             with self._counted:
                 self._pulls_received += 1
                 self._counted.notify_all()
+            self.counts.inc("pdwire_p_messages_received_total")
             self._feed(MessageReceived(identity, data))
 
     def _on_timer(self) -> None:
@@ -334,8 +358,9 @@ class ProducerAgent:
 
     def _dispatch(self, output: ProducerOutput) -> None:
         match output:
-            case SendReply(identity=identity, data=data):
+            case SendReply(identity=identity, reply=reply, data=data):
                 self._send(identity, data)
+                _count_reply(self.counts, reply)
             case StartWrite():
                 self._start_write(output)
             case FreeBlocks(p_req_id=p_req, transfer_id=transfer_id, reason=reason):
@@ -388,6 +413,9 @@ class ProducerAgent:
             )  # fmt: skip
         nbytes = write.descriptors.total_bytes if status == OK else 0
         self._bytes_written += nbytes
+        self.counts.inc("pdwire_p_writes_total", "ok" if status == OK else "failed")
+        self.counts.inc("pdwire_p_written_bytes_total", by=nbytes)
+        self.counts.observe("pdwire_p_write_seconds", took)
         self._recent.append(
             WriteTime(write.d_req_ids, started, took, len(write.descriptors), nbytes, status)
         )

@@ -36,6 +36,7 @@ from . import bootstrap_client
 from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
 from .bootstrap_client import BootstrapError
 from .http_server import AppServer
+from .metrics import CONTENT_TYPE, Counts, render
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,20 @@ class _Legs:
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind}})
+
+
+def _outcome(response: Response) -> str:
+    """``ok``, or the ``type`` of the proxy's own error, or ``decode_status`` for an error of
+    D's that the proxy relays: by the start of the response (a stream may still end badly)."""
+    if response.status_code < 400:
+        return "ok"
+    try:
+        kind = json.loads(bytes(response.body))["error"]["type"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "decode_status"
+    return {"service_unavailable": "unavailable", "invalid_request_error": "bad_request"}.get(
+        kind, kind if kind in ("prefill_error", "decode_error") else "decode_status"
+    )
 
 
 def _describe(exc: BaseException) -> str:
@@ -234,6 +249,7 @@ class Proxy:
         self.client_timeout = client_timeout
         self.readiness = Readiness(prefills, poll_interval)
         self.prefill_failures = 0
+        self.counts = Counts()
         self.clients: dict[str, httpx.AsyncClient] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._targets: Iterator[Target] | None = None
@@ -282,6 +298,11 @@ class Proxy:
         return _relay_response(r)
 
     async def completion(self, request: Request, path: str) -> Response:
+        response = await self._completion(request, path)
+        self.counts.inc("pdwire_proxy_requests_total", _outcome(response))
+        return response
+
+    async def _completion(self, request: Request, path: str) -> Response:
         if not self.readiness.ready:  # 5.4-R2
             return _error(503, self.readiness.reason(), "service_unavailable")
         try:
@@ -501,6 +522,10 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> Response:
         return await proxy.models()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(render(proxy.counts.snapshot(), {}), media_type=CONTENT_TYPE)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

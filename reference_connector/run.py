@@ -668,6 +668,7 @@ class Report:
     raw: RawResult | None
     raw_error: str | None
     blocks_left: dict[str, int]
+    p_side_channel: list[str]  # P's workers' ROUTER addresses: what to capture
     requests_wall_s: float
     tax: Tax
     wall_s: float = 0.0
@@ -743,6 +744,7 @@ class Report:
             "bytes_written": self.bytes_written,
             "bytes_verified": self.bytes_verified,
             "blocks_left": self.blocks_left,
+            "p_side_channel": self.p_side_channel,
             "requests_wall_s": round(self.requests_wall_s, 3),
             "wall_s": round(self.wall_s, 3),
             "not_measured": list(NOT_MEASURED),
@@ -911,6 +913,7 @@ def _measure(
         raw=raw,
         raw_error=raw_error,
         blocks_left={"prefill": after["blocks_in_use"], "decode": d_after["blocks_in_use"]},
+        p_side_channel=[str(w["address"]) for w in after["workers"] if "address" in w],
         requests_wall_s=requests_wall,
         tax=_tax(deployment, outcomes, after, kv_bytes, raw),
     )

@@ -232,6 +232,9 @@ class ReferenceAgent:
             "descriptors": t.descriptors,
             "bytes_written": t.bytes,
         }
+        agent = self.producer or self.consumer
+        if agent is not None:
+            stats["metrics"] = agent.metrics()
         if self.producer is not None:
             p = self.producer
             stats.update(address=p.address, pulls_received=p.pulls_received, writes=p.writes)

@@ -25,6 +25,7 @@ DIRECTIVES: Final = {
     "pdwire-sequence": sequence.SequenceDiagram,
     "pdwire-routes": operations.Routes,
     "pdwire-config": operations.ConfigFields,
+    "pdwire-metrics": operations.Metrics,
 }
 
 

@@ -12,11 +12,12 @@ from fastapi.routing import APIRoute
 from pdwire import spectables
 from pdwire.versions import WIRE_VERSION
 from reference_connector.bootstrap import create_app
+from reference_connector.metrics import METRICS
 
 from .api import default_text
 from .markdown import MarkdownDirective
 
-#: path -> (spec section, request body, replies).
+#: path -> (spec section, or "" for a route of the reference only; request body, replies).
 ROUTE_DOCUMENTS: Final = {
     "/register": (
         "4.1",
@@ -25,6 +26,7 @@ ROUTE_DOCUMENTS: Final = {
     ),
     "/query": ("4.2", "none", "200 `QueryResponse`"),
     "/health": ("4.3", "none", '200 `{"status": "ok"}`'),
+    "/metrics": ("", "none", "200, the Prometheus text format ([Metrics](#metrics))"),
 }
 
 
@@ -54,7 +56,8 @@ class Routes(MarkdownDirective):
         rows = sorted((ROUTE_DOCUMENTS[path], method, path) for method, path in ours)
         for (section, body, replies), method, path in rows:
             on_legacy = "yes" if (method, path) in legacy else "no"
-            lines.append(f"| `{method} {path}` | §{section} | {body} | {replies} | {on_legacy} |")
+            spec = f"§{section}" if section else "none (operations)"
+            lines.append(f"| `{method} {path}` | {spec} | {body} | {replies} | {on_legacy} |")
         return "\n".join(lines) + "\n"
 
 
@@ -80,4 +83,18 @@ class ConfigFields(MarkdownDirective):
             kind = spectables.type_name(hints[f.name]).replace("|", "\\|")
             default = _default(f).replace("|", "\\|")
             lines.append(f"| `{f.name}` | `{kind}` | `{default}` |")
+        return "\n".join(lines) + "\n"
+
+
+class Metrics(MarkdownDirective):
+    """Every metric of the reference deployment (``reference_connector.metrics.METRICS``)."""
+
+    def markdown(self) -> str:
+        lines = [
+            "| metric | type | label | what it counts | when it moves |",
+            "|---|---|---|---|---|",
+        ]
+        for m in METRICS:
+            label = f"`{m.label}`" if m.label else ""
+            lines.append(f"| `{m.name}` | {m.kind} | {label} | {m.help} | {m.action} |")
         return "\n".join(lines) + "\n"
