@@ -125,7 +125,7 @@ class ConsumerAgent:
         self._pulls_sent = 0
         self._replies_received = 0
         self._first_pull: dict[str, float] = {}  # d_req_id -> loop time its first pull left
-        self.counts = Counts()  # touched on the loop thread only
+        self.counts = Counts()
 
     @classmethod
     def config_for(cls, transport: MooncakeTransport, side: Side, **fields: Any) -> ConsumerConfig:

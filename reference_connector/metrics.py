@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any, Final, Literal
 
@@ -108,29 +109,33 @@ BY_NAME: Final = {m.name: m for m in METRICS}
 
 class Counts:
     """A worker's counters and histograms, as plain numbers: ``snapshot()`` is what it reports
-    in its stats and ``add_up`` reads."""
+    in its stats and ``add_up`` reads. Any thread may count or read."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._values: dict[str, dict[str, float]] = {}
         self._histograms: dict[str, list[float]] = {}  # bucket counts, then sum, then count
 
     def inc(self, name: str, label: str = "", by: float = 1) -> None:
         assert name in BY_NAME, name
-        series = self._values.setdefault(name, {})
-        series[label] = series.get(label, 0) + by
+        with self._lock:
+            series = self._values.setdefault(name, {})
+            series[label] = series.get(label, 0) + by
 
     def observe(self, name: str, seconds: float) -> None:
         assert BY_NAME[name].kind == "histogram", name
-        h = self._histograms.setdefault(name, [0.0] * (len(SECONDS_BUCKETS) + 3))
-        h[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
-        h[-2] += seconds
-        h[-1] += 1
+        with self._lock:
+            h = self._histograms.setdefault(name, [0.0] * (len(SECONDS_BUCKETS) + 3))
+            h[bisect.bisect_left(SECONDS_BUCKETS, seconds)] += 1
+            h[-2] += seconds
+            h[-1] += 1
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "values": {k: dict(v) for k, v in self._values.items()},
-            "histograms": {k: list(v) for k, v in self._histograms.items()},
-        }
+        with self._lock:
+            return {
+                "values": {k: dict(v) for k, v in self._values.items()},
+                "histograms": {k: list(v) for k, v in self._histograms.items()},
+            }
 
 
 def add_up(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -141,10 +146,45 @@ def add_up(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             for label, value in series.items():
                 total.inc(name, label, value)
         for name, h in snap.get("histograms", {}).items():
-            mine = total._histograms.setdefault(name, [0.0] * len(h))
-            for i, v in enumerate(h):
-                mine[i] += v
+            with total._lock:
+                mine = total._histograms.setdefault(name, [0.0] * len(h))
+                for i, v in enumerate(h):
+                    mine[i] += v
     return total.snapshot()
+
+
+def difference(now: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+    """What the counters and histograms of snapshot ``now`` gained since ``before`` (gauges
+    are left out: an interval's gauge means nothing once intervals are added up)."""
+    values: dict[str, dict[str, float]] = {}
+    for name, series in now.get("values", {}).items():
+        if BY_NAME[name].kind != "counter":
+            continue
+        old = before.get("values", {}).get(name, {})
+        gained = {k: v - old.get(k, 0) for k, v in series.items() if v != old.get(k, 0)}
+        if gained:
+            values[name] = gained
+    histograms = {}
+    for name, h in now.get("histograms", {}).items():
+        old_h = before.get("histograms", {}).get(name, [0.0] * len(h))
+        if h[-1] != old_h[-1]:
+            histograms[name] = [a - b for a, b in zip(h, old_h, strict=True)]
+    return {"values": values, "histograms": histograms}
+
+
+def summary(snapshot: Mapping[str, Any]) -> dict[str, float]:
+    """One line's worth of a snapshot: each counter series (``name[label]``, ``pdwire_`` and
+    ``_total`` left out) and each histogram's count and mean in ms."""
+    out: dict[str, float] = {}
+    for name, series in sorted(snapshot.get("values", {}).items()):
+        short = name.removeprefix("pdwire_").removesuffix("_total")
+        for label, value in sorted(series.items()):
+            out[f"{short}[{label}]" if label else short] = value
+    for name, h in sorted(snapshot.get("histograms", {}).items()):
+        short = name.removeprefix("pdwire_").removesuffix("_seconds")
+        out[f"{short}_count"] = h[-1]
+        out[f"{short}_mean_ms"] = round(h[-2] / h[-1] * 1000, 3) if h[-1] else 0.0
+    return out
 
 
 def render(snapshot: Mapping[str, Any], gauges: Mapping[str, Mapping[str, float]]) -> bytes:

@@ -155,7 +155,7 @@ class ProducerAgent:
         self._writes = 0
         self._bytes_written = 0
         self._recent: collections.deque[WriteTime] = collections.deque(maxlen=RECENT_WRITES)
-        self.counts = Counts()  # touched on the loop thread only
+        self.counts = Counts()
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -29,10 +29,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from .config import Settings
 from .metadata import PdwireConnectorMetadata
 from .scheduler import PdwireScheduler
+from .stats import PdwirePromMetrics, PdwireStats
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -164,3 +171,24 @@ class PdwireConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+
+    # -- stats (worker and scheduler) -----------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The workers' figures of the last interval; the scheduler's half counts nothing."""
+        data = None if self.worker is None else self.worker.take_stats()
+        return None if data is None else PdwireStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return PdwireStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return PdwirePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

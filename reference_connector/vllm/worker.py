@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdwire.consumer import mint_layout_id
 from pdwire.events import FreeReason, LoadRequest
@@ -25,6 +25,7 @@ from pdwire.versions import PDWIRE_2
 
 from ..bootstrap import BootstrapServer
 from ..consumer_agent import ConsumerAgent
+from ..metrics import add_up, difference
 from ..producer_agent import ProducerAgent
 from ..transport import MooncakeTransport
 from . import regions
@@ -68,6 +69,7 @@ class PdwireWorker:
         self._failed: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._reported_blocks: set[int] = set()  # taken by the last get_transfer_results
+        self._stats_before: dict[str, Any] = {}
         if self.produces and owns_bootstrap(vllm_config, settings, self.position):
             key = settings.auth_key if settings.profile == PDWIRE_2 else None
             self.bootstrap = BootstrapServer(auth_key=key).start(
@@ -287,6 +289,16 @@ class PdwireWorker:
             self._reported_blocks |= self._failed_blocks
             self._failed_blocks = set()
         return sent, received, failed
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """What the agents counted since the last call (``metrics.difference``), None when
+        nothing: vLLM asks at every engine step, so only the counts are read, not the
+        sessions' gauges (which their loop threads own)."""
+        agents = (self.producer, self.consumer)
+        current = add_up(a.counts.snapshot() for a in agents if a is not None)
+        gained = difference(current, self._stats_before)
+        self._stats_before = current
+        return gained if gained["values"] or gained["histograms"] else None
 
     def take_load_errors(self) -> set[int]:
         blocks, self._reported_blocks = self._reported_blocks, set()

@@ -64,3 +64,24 @@ def test_every_metric_follows_the_naming_conventions() -> None:
         assert m.help.endswith(".") and m.action, m.name
     with pytest.raises(AssertionError):
         Counts().inc("pdwire_no_such_metric_total")
+
+
+def test_an_interval_is_what_counters_and_histograms_gained_and_sums_up_in_a_line() -> None:
+    c = Counts()
+    c.inc("pdwire_d_loads_total", "loaded", 2)
+    c.inc("pdwire_d_leases", by=3)  # a gauge: an interval leaves it out
+    c.observe("pdwire_d_pull_seconds", 0.2)
+    before = c.snapshot()
+    c.inc("pdwire_d_loads_total", "loaded")
+    c.inc("pdwire_d_loads_total", "failed")
+    c.observe("pdwire_d_pull_seconds", 0.4)
+    gained = metrics.difference(c.snapshot(), before)
+    assert gained["values"] == {"pdwire_d_loads_total": {"loaded": 1, "failed": 1}}
+    assert gained["histograms"]["pdwire_d_pull_seconds"][-2:] == pytest.approx([0.4, 1])
+    assert metrics.difference(c.snapshot(), c.snapshot()) == {"values": {}, "histograms": {}}
+    assert metrics.summary(gained) == {
+        "d_loads[failed]": 1,
+        "d_loads[loaded]": 1,
+        "d_pull_count": 1,
+        "d_pull_mean_ms": 400.0,
+    }

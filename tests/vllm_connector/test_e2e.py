@@ -192,6 +192,8 @@ def test_disaggregated_outputs_equal_d_local_prefill(
     p, d = servers[p_name], servers[d_name]
     expected = local(d_name)
     hits = sv.metric(d.url, "vllm:external_prefix_cache_hits_total{")
+    ours = {name: server for name, server in ((p_name, p), (d_name, d)) if "in_tree" not in name}
+    counted = {name: _connector_count(server) for name, server in ours.items()}
     with proxy(p, d, profile) as url:
         got = [choice(complete(url, model, prompt)) for prompt in PROMPTS]
     rows = []
@@ -213,6 +215,28 @@ def test_disaggregated_outputs_equal_d_local_prefill(
     loaded = sv.metric(d.url, "vllm:external_prefix_cache_hits_total{") - hits
     assert loaded == sum(w["prompt_tokens"] for w in expected)
     sv.wait_idle([p, d])
+    # vLLM's own /metrics counts each prompt's write (P) and load (D) through the connector's
+    # stats, once its loggers have the engine's last step
+    for name, server in ours.items():
+        _wait_count(server, counted[name] + len(PROMPTS))
+
+
+#: The counter of the connector's transfers a P server's and a D server's /metrics carry.
+CONNECTOR_COUNT: Final = {"p": "pdwire_p_writes_total{", "d": "pdwire_d_loads_total{"}
+
+
+def _connector_count(server: sv.Server) -> float:
+    try:
+        return sv.metric(server.url, CONNECTOR_COUNT[server.name[0]])
+    except KeyError:  # nothing counted yet: vLLM registers a series at its first value
+        return 0.0
+
+
+def _wait_count(server: sv.Server, want: float, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := _connector_count(server)) != want:
+        assert time.monotonic() < deadline, f"{server.name}: {got} transfers counted, not {want}"
+        time.sleep(0.2)  # polling another process's /metrics: nothing to await
 
 
 def test_streamed_output_equals_d_local_prefill(

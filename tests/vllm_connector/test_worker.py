@@ -6,6 +6,7 @@ byte for byte equal to P's; failures come back as failed loads with their blocks
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from typing import Any, Final
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, Counter
 from vllm.config import set_current_vllm_config
 from vllm.distributed import (
     destroy_distributed_environment,
@@ -23,6 +25,7 @@ from vllm.distributed import (
     parallel_state,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from conformance.ports import free_port
 from reference_connector.vllm.connector import PdwireConnector
@@ -101,6 +104,7 @@ class Worker:
         self.received: set[str] = set()
         self.failed: set[str] = set()
         self.bad_blocks: set[int] = set()
+        self.stats: KVConnectorStats | None = None  # added up over the steps, as vLLM's logger
         try:
             self.connector.register_kv_caches(self.caches)
         except BaseException:
@@ -114,6 +118,10 @@ class Worker:
         results = self.connector.get_transfer_results(set())
         self.bad_blocks |= self.connector.get_block_ids_with_load_errors()
         self.connector.clear_connector_metadata()
+        stats = self.connector.get_kv_connector_stats()
+        if stats is not None:
+            data = PdwireConnector.build_kv_connector_stats(stats.to_dict())  # as vLLM ships it
+            self.stats = data if self.stats is None else self.stats.aggregate(data)
         self.sent |= results.finished_sending
         self.received |= results.finished_recving
         self.failed |= results.failed_recving
@@ -212,6 +220,40 @@ def test_d_receives_every_byte_of_p_blocks(make_pair: Any, profile: str) -> None
     until(lambda: "d-1" in d.received and "p-1" in p.sent, p, d)
     assert not d.failed and not d.bad_blocks
     assert_copied(p, d)
+
+
+def test_the_stats_count_the_transfer_for_vllm_s_logger_and_metrics(make_pair: Any) -> None:
+    """What each worker counted reaches vLLM's stats path (its logger's summary, and its
+    Prometheus counters through the connector's ``build_prom_metrics``)."""
+    p, d, url = make_pair("pdwire/2")
+    p.step(PdwireConnectorMetadata(sends=[Send("xfer-1", "p-1")]))
+    load(d, p, url, D_BLOCKS)
+    p.step(PdwireConnectorMetadata(sends=[Send("xfer-1", "p-1", [P_BLOCKS])]))
+    until(lambda: "d-1" in d.received and "p-1" in p.sent, p, d)
+    for w in (p, d):  # a step more: the counts of the step that completed it
+        w.step()
+    assert p.stats is not None and d.stats is not None
+    nbytes = sum(c[P_BLOCKS].numel() * c.element_size() for c in p.caches.values())
+    p_summary, d_summary = p.stats.reduce(), d.stats.reduce()
+    assert p_summary["p_writes[ok]"] == p_summary["p_replies_sent[FINISH]"] == 1
+    assert p_summary["p_written_bytes"] == nbytes and p_summary["p_write_count"] == 1
+    assert d_summary["d_messages_sent[pull]"] == d_summary["d_loads[loaded]"] == 1
+    assert d_summary["d_pull_count"] == 1 and d_summary["d_pull_mean_ms"] > 0
+    registry = CollectorRegistry()
+    kinds = {Counter: functools.partial(Counter, registry=registry)}
+    prom = PdwireConnector.build_prom_metrics(
+        p.connector._vllm_config,
+        kinds,
+        ["engine"],
+        {0: ["0"]},  # type: ignore[arg-type]
+    )
+    prom.observe(p.stats.to_dict(), 0)
+    prom.observe(d.stats.to_dict(), 0)
+    value = registry.get_sample_value
+    assert value("pdwire_p_writes_total", {"engine": "0", "result": "ok"}) == 1
+    assert value("pdwire_p_written_bytes_total", {"engine": "0"}) == nbytes
+    assert value("pdwire_d_loads_total", {"engine": "0", "outcome": "loaded"}) == 1
+    assert 0 < value("pdwire_d_pull_seconds_total", {"engine": "0"}) < WAIT_S
 
 
 @pytest.mark.parametrize("profile", ["pdwire/2", "legacy"])
