@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config import set_current_vllm_config
 from vllm.distributed import (
     destroy_distributed_environment,
@@ -240,7 +240,9 @@ def test_the_stats_count_the_transfer_for_vllm_s_logger_and_metrics(make_pair: A
     assert d_summary["d_messages_sent[pull]"] == d_summary["d_loads[loaded]"] == 1
     assert d_summary["d_pull_count"] == 1 and d_summary["d_pull_mean_ms"] > 0
     registry = CollectorRegistry()
-    kinds = {Counter: functools.partial(Counter, registry=registry)}
+    kinds = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
     prom = PdwireConnector.build_prom_metrics(
         p.connector._vllm_config,
         kinds,
