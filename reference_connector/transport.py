@@ -66,7 +66,7 @@ class MooncakeTransport:
         self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""
     ) -> None:
         self._hostname = hostname
-        self._engine = _engine_class()()
+        self._engine: Any = _engine_class()()
         ret = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if ret != OK:
             raise TransportUnavailable(
@@ -98,6 +98,8 @@ class MooncakeTransport:
             raise ValueError("cannot register an empty tensor with the transfer engine")
         base = int(tensor.data_ptr())
         with self._lock:
+            if self._engine is None:
+                raise RuntimeError("the transport is closed")
             if base in self._registered:
                 raise ValueError(f"memory at {base:#x} is already registered")
             ret = self._engine.register_memory(base, nbytes)
@@ -156,6 +158,8 @@ class MooncakeTransport:
 
     def _batch_write(self, peer: str, src: list[int], dst: list[int], lengths: list[int]) -> int:
         try:
+            if self._engine is None:
+                raise RuntimeError("the transport is closed")
             ret = int(self._engine.batch_transfer_sync_write(peer, src, dst, lengths))
         except Exception:
             logger.exception("Mooncake batch_transfer_sync_write to %s raised", peer)
@@ -169,11 +173,20 @@ class MooncakeTransport:
             )
         return ret
 
-    def close(self) -> None:
-        """Unregister every tensor. The engine itself stops when this object is collected."""
+    def close(self, destroy: bool = True) -> None:
+        """Unregister every tensor and, with ``destroy``, destroy the engine now.
+
+        The engine's destructor holds the GIL for about a second: left to the garbage
+        collector, it would stall every thread of the process at some later, random moment.
+        ``destroy=False`` leaves it to a process that exits next without running destructors
+        (``os._exit``). Once destroyed, the transport cannot be used again."""
         with self._lock:
+            if self._engine is None:
+                return
             for base in list(self._registered):
                 self._unregister(base)
+            if destroy:
+                self._engine = None
 
     def __enter__(self) -> MooncakeTransport:
         return self

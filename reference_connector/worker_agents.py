@@ -266,7 +266,7 @@ class ReferenceAgent:
         for agent in (self.producer, self.consumer):
             if agent is not None:
                 agent.stop()
-        self.transport.close()
+        self.transport.close(destroy=False)  # a worker process exits next (worker_process)
 
 
 def reference_agent(ctx: WorkerContext) -> ReferenceAgent:

@@ -33,7 +33,7 @@ class Engine:
 
     def __init__(self, hostname: str = "127.0.0.1") -> None:
         self.hostname = hostname
-        self._engine = _engine_class()()
+        self._engine: Any = _engine_class()()
         ret = self._engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
         if ret != 0:
             raise EngineUnavailable(f"TransferEngine.initialize returned {ret}")
@@ -69,6 +69,11 @@ class Engine:
         return ret
 
     def close(self) -> None:
+        """Unregister the buffers and destroy the engine now: its destructor holds the GIL for
+        about a second, which left to the garbage collector would stall a later case."""
+        if self._engine is None:
+            return
         for addr in list(self._buffers):
             self._engine.unregister_memory(addr)
         self._buffers.clear()
+        self._engine = None

@@ -310,6 +310,8 @@ def test_non_contiguous_and_empty_tensors_are_rejected(local: MooncakeTransport)
 
 
 def test_register_unregister_and_close() -> None:
+    """``close`` destroys the engine (its destructor holds the GIL for about a second, which
+    the garbage collector would run at a random later moment); ``destroy=False`` keeps it."""
     try:
         transport = MooncakeTransport()
     except TransportUnavailable as exc:
@@ -328,10 +330,17 @@ def test_register_unregister_and_close() -> None:
     transport.register(b)
     transport.unregister(a)
     assert transport.registered == {b.data_ptr(): 10}
+    transport.close(destroy=False)  # the engine stays: its memory can be registered again
+    assert transport.registered == {}
+    assert transport.register(a) == base
     transport.close()
     assert transport.registered == {}
     host, port = transport.session.rsplit(":", 1)
     assert (host, int(port)) == ("127.0.0.1", transport.rpc_port)
+    with pytest.raises(RuntimeError, match="the transport is closed"):
+        transport.register(a)
+    assert transport.raw_write(transport.session, [base], [base], [8]) == ENGINE_RAISED
+    transport.close()  # a second close does nothing
 
 
 def test_import_errors_say_what_to_do() -> None:
