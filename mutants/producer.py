@@ -68,7 +68,6 @@ def _wrong_offset() -> None:
 def _reply_delimiter() -> None:
     def send(self: producer_agent.ProducerAgent, identity: bytes, data: bytes) -> None:
         assert self._sock is not None
-        self._replies_sent += 1
         sent = asyncio.ensure_future(self._sock.send_multipart([identity, b"", data]))
         sent.add_done_callback(self._log_send_failure)
 

@@ -30,6 +30,7 @@ from .messages import (
     XferResponse,
     XferResponseStatus,
 )
+from .planning import regions_of_pull
 from .vectors import as_json
 
 #: The replies of vLLM 0.14 and 0.15 (§3.8).
@@ -107,13 +108,12 @@ Layout = tuple[tuple[int, int], ...]
 
 
 def layout_of(msg: XferMetadata) -> Layout | None:
-    """The payload per block (``kv_block_lens``, else ``block_lens``) and group of each region
-    ``msg`` describes; None when it omits its layout (§3.7)."""
-    if not msg.kv_caches_base_addr:
+    """The payload per block (``kv_block_len``, else ``block_len``) and group of each region
+    ``msg`` describes (``planning.regions_of_pull``); None when it omits its layout (§3.7)."""
+    regions = regions_of_pull(msg)
+    if not regions:
         return None
-    payloads = msg.kv_block_lens or msg.block_lens
-    groups = msg.registered_group_indices or [0] * len(payloads)
-    return tuple(zip(payloads, groups, strict=False))
+    return tuple((r.kv_block_len or r.block_len, r.group_index) for r in regions)
 
 
 def bytes_asked(layout: Layout, blocks: Sequence[Sequence[int]]) -> int:

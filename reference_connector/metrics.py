@@ -130,6 +130,23 @@ class Counts:
             h[-2] += seconds
             h[-1] += 1
 
+    def add(self, snapshot: Mapping[str, Any]) -> None:
+        """Add another ``snapshot()`` to these counts."""
+        with self._lock:
+            for name, series in snapshot.get("values", {}).items():
+                mine = self._values.setdefault(name, {})
+                for label, value in series.items():
+                    mine[label] = mine.get(label, 0) + value
+            for name, h in snapshot.get("histograms", {}).items():
+                sums = self._histograms.setdefault(name, [0.0] * len(h))
+                for i, v in enumerate(h):
+                    sums[i] += v
+
+    def total(self, name: str) -> float:
+        """A counter's value, over all its labels."""
+        with self._lock:
+            return sum(self._values.get(name, {}).values())
+
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {
@@ -142,14 +159,7 @@ def add_up(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The sum of ``Counts`` snapshots (of each worker of a node)."""
     total = Counts()
     for snap in snapshots:
-        for name, series in snap.get("values", {}).items():
-            for label, value in series.items():
-                total.inc(name, label, value)
-        for name, h in snap.get("histograms", {}).items():
-            with total._lock:
-                mine = total._histograms.setdefault(name, [0.0] * len(h))
-                for i, v in enumerate(h):
-                    mine[i] += v
+        total.add(snap)
     return total.snapshot()
 
 

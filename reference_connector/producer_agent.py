@@ -151,9 +151,7 @@ class ProducerAgent:
         self._closed = False
         self._counted = threading.Condition()
         self._pulls_received = 0
-        self._replies_sent = 0
         self._writes = 0
-        self._bytes_written = 0
         self._recent: collections.deque[WriteTime] = collections.deque(maxlen=RECENT_WRITES)
         self.counts = Counts()
 
@@ -291,7 +289,7 @@ class ProducerAgent:
 
     @property
     def replies_sent(self) -> int:
-        return self._replies_sent
+        return int(self.counts.total("pdwire_p_replies_sent_total"))
 
     @property
     def writes(self) -> int:
@@ -301,7 +299,7 @@ class ProducerAgent:
     @property
     def bytes_written(self) -> int:
         """Bytes of the batch writes that completed with status 0."""
-        return self._bytes_written
+        return int(self.counts.total("pdwire_p_written_bytes_total"))
 
     def metrics(self) -> dict[str, Any]:
         """The agent's counts, with its session's transfers by state (``metrics.Counts``)."""
@@ -372,7 +370,6 @@ class ProducerAgent:
 
     def _send(self, identity: bytes, data: bytes) -> None:
         assert self._sock is not None
-        self._replies_sent += 1
         sent = asyncio.ensure_future(self._sock.send_multipart([identity, data]))
         sent.add_done_callback(self._log_send_failure)
 
@@ -412,7 +409,6 @@ class ProducerAgent:
                 self._address, write.write_id, write.peer, write.d_req_ids, took,
             )  # fmt: skip
         nbytes = write.descriptors.total_bytes if status == OK else 0
-        self._bytes_written += nbytes
         self.counts.inc("pdwire_p_writes_total", "ok" if status == OK else "failed")
         self.counts.inc("pdwire_p_written_bytes_total", by=nbytes)
         self.counts.observe("pdwire_p_write_seconds", took)

@@ -63,11 +63,11 @@ def overhead_ms(
     ttft: float | None, p_timings: Mapping[str, Any] | None, d_timings: Mapping[str, Any]
 ) -> float | None:
     """``TTFT - P.prefill - D.first_step - D.verify``; None when a figure is missing."""
-    needed = [d_timings.get("first_step"), d_timings.get("verify")]
     prefill = None if p_timings is None else p_timings.get("prefill")
-    if ttft is None or prefill is None or any(v is None for v in needed):
+    first_step, verify = d_timings.get("first_step"), d_timings.get("verify")
+    if ttft is None or prefill is None or first_step is None or verify is None:
         return None
-    return ttft - float(prefill) - sum(float(v) for v in needed if v is not None)
+    return ttft - float(prefill) - float(first_step) - float(verify)
 
 
 def overhead_target_ms(kv_bytes: int, raw_gbps: float | None) -> float | None:
