@@ -300,7 +300,10 @@ async def caps_are_exact_names(t: ProducerCtx) -> None:
     loaded = await t.load(announce=True)
     t.release(loaded)
     seen = [list(t.env.entry.get("pdwire_caps") or [])]
-    seen += [caps for _, _, r in loaded.pulls for caps in reply_caps(r)]
+    for _, addr, r in loaded.pulls:
+        announced = reply_caps(r)
+        expect(bool(announced), f"{addr}: no reply announced capabilities, got {r.describe()}")
+        seen += announced
     for caps in seen:
         odd = sorted(set(caps) - ALL_CAPS)
         expect(not odd, f"capabilities that are not names of §8.5: {odd}")
