@@ -114,6 +114,6 @@ def apply(name: str) -> None:
         _active = name
 
 
-from . import auth, consumer, lease, pair, producer, proxy, registration  # noqa: E402, F401  (register the mutants)
+from . import auth, consumer, consumer_cancel, lease, pair, producer, proxy, registration  # noqa: E402, F401  (register the mutants)
 
 NAMES: Final = tuple(sorted(MUTANTS))

@@ -42,6 +42,7 @@ from .messages import (
     XferCancel,
     XferMetadata,
     XferMetadataV2,
+    XferResponseV2,
 )
 from .messages import XferResponseStatus as Status
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
@@ -360,7 +361,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         pull.receive_until = now + self.config.receive_timeout
         self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
         if pull.cancel:
-            self._on_cancel_reply(pull, reply.ok_reqs or [])
+            self._on_cancel_reply(pull, reply)
             return
         if pull.heartbeat:
             self._close(pull)
@@ -522,8 +523,11 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
         self._out.append(SendPull(pull.pull_id, addr, msg, encode_cancel(msg, agreement)))
 
-    def _on_cancel_reply(self, cancel: _Pull, cancelled: list[str]) -> None:
-        """P stopped serving these requests for us: their withdrawn pulls are settled."""
+    def _on_cancel_reply(self, cancel: _Pull, reply: XferResponseV2) -> None:
+        """Only a FINISH says which requests P stopped serving for us: their withdrawn pulls
+        are settled. Any other answer settles nothing (3.5-R17): a P that could not decode the
+        cancel answers ERROR while the withdrawn pull may still be writing."""
+        cancelled = (reply.ok_reqs or []) if reply.status is Status.FINISH else []
         for d_req in cancelled:
             for pull in list(self._pulls.values()):
                 if not pull.cancel and pull.addr == cancel.addr and d_req in pull.reqs:

@@ -429,6 +429,33 @@ def test_abort_while_pulling_cancels() -> None:
     assert reports(out) == [RequestLoaded("r2")]
 
 
+CANCEL_ANSWERS = {
+    "error": lambda pid: ReplyReceived(pid, reply_bytes(ERROR, err_msg="cannot decode")),
+    "finish-unlisted": lambda pid: ReplyReceived(pid, reply_bytes(FINISH, [], v2=True)),
+}
+
+
+@pytest.mark.parametrize("answer", [*CANCEL_ANSWERS, "timeout"])
+def test_withdrawn_blocks_stay_until_the_pull_ends(answer: str) -> None:
+    """3.5-R17: neither an ERROR to the cancel, a FINISH not listing the request, nor the
+    cancel's own timeout frees the blocks of a request withdrawn at its deadline; the withdrawn
+    pull's end does."""
+    c = Driver(consumer())
+    (pull,) = started(c, load("r1"))
+    (cancel,) = cancels(c.advance(DEADLINE))
+    halfway = DEADLINE + RECEIVE / 2
+    c(ReplyReceived(pull.pull_id, reply_bytes(CONTINUE, v2=True)), halfway)  # keeps it open
+    if answer == "timeout":
+        out = c.advance(DEADLINE + RECEIVE)
+    else:
+        out = c(CANCEL_ANSWERS[answer](cancel.pull_id), halfway)
+    assert reports(out) == []
+    out = c(
+        ReplyReceived(pull.pull_id, reply_bytes(FINISH, ["r1"], v2=True)), DEADLINE + RECEIVE + 1
+    )
+    assert reports(out) == [BlocksReleased("r1")]
+
+
 # -- release-only (§10.10.8/9) -------------------------------------------------------------------
 
 OUTCOMES = {
