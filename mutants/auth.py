@@ -3,15 +3,19 @@ key (``*/8.6/*``). Each replaces what one module sees as ``pdwire.auth`` or one 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import types
 from typing import Any
 
-from pdwire import auth
+import msgspec
+
+from pdwire import auth, codec
 from pdwire import consumer as consumer_module
 from pdwire import producer as producer_module
+from pdwire.consumer import ConsumerSession
 from pdwire.producer import ProducerSession
 from reference_connector import bootstrap
 
@@ -25,8 +29,14 @@ def _auth_with(**changed: Any) -> types.SimpleNamespace:
     )
 
 
-def _as_it_is(msg: Any, key: bytes) -> Any:
+def _as_it_is(msg: Any, key: bytes, answers: bytes | None = None) -> Any:
     return msg
+
+
+def _unbound(original: Any) -> Any:
+    """``original`` (``auth.sign`` or ``auth.verify``) with a reply's tag not covering the tag
+    of the message it answers."""
+    return lambda msg, key, answers=None: original(msg, key)
 
 
 @mutant(
@@ -104,4 +114,68 @@ def _d_unsigned_pull() -> None:
     cases=("consumer/8.6/2",),
 )
 def _d_ignores_reply_tag() -> None:
-    replace(consumer_module, "auth", _auth_with(verify=lambda msg, key: None))
+    replace(consumer_module, "auth", _auth_with(verify=lambda msg, key, answers=None: None))
+
+
+@mutant(
+    "p-reply-not-bound",
+    "prefill",
+    "signs its replies without the tag of the pull they answer",
+    cases=("producer/8.6/3",),
+)
+def _p_reply_not_bound() -> None:
+    replace(producer_module, "auth", _auth_with(sign=_unbound(auth.sign)))
+
+
+@mutant(
+    "d-reply-not-bound",
+    "decode",
+    "checks a reply's tag without the tag of the pull it answers",
+    cases=("consumer/8.6/2",),
+)
+def _d_reply_not_bound() -> None:
+    replace(consumer_module, "auth", _auth_with(verify=_unbound(auth.verify)))
+
+
+@mutant(
+    "p-keyed-serves-legacy",
+    "prefill",
+    "serves a pull that does not announce pdwire/2 though it has a key",
+    cases=("producer/8.6/7",),
+)
+def _p_keyed_serves_legacy() -> None:
+    original = ProducerSession._authentic
+
+    def authentic(self: ProducerSession, msg: Any) -> bool:
+        return getattr(msg, "pdwire_version", 2) < 2 or original(self, msg)
+
+    replace(ProducerSession, "_authentic", authentic)
+
+
+@mutant(
+    "d-keyed-speaks-legacy",
+    "decode",
+    "speaks legacy, unsigned, to a P whose /query entry says legacy, though it has a key",
+    cases=("consumer/8.6/3",),
+)
+def _d_keyed_speaks_legacy() -> None:
+    original = ConsumerSession._agreement
+
+    def agreement(self: ConsumerSession, addr: str, engine_id: str) -> Any:
+        config, self.config = self.config, dataclasses.replace(self.config, auth_key=None)
+        try:
+            return original(self, addr, engine_id)
+        finally:
+            self.config = config
+
+    replace(ConsumerSession, "_agreement", agreement)
+
+
+@mutant(
+    "p-signs-maps-as-sent",
+    "prefill",
+    "computes tags over maps in the order their keys came, not sorted",
+    cases=("producer/8.6/8",),
+)
+def _p_signs_maps_as_sent() -> None:
+    replace(codec, "_canonical_encoder", msgspec.msgpack.Encoder())

@@ -38,19 +38,25 @@ def register_tag(payload_without_tag: dict[str, Any], key: bytes) -> str:
     return hmac.new(key, canonical_json(payload_without_tag), hashlib.sha256).hexdigest()
 
 
-def tag(msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes) -> bytes:
-    """HMAC-SHA256 of the canonical encoding of ``msg`` without its tag."""
-    return hmac.new(key, encode_canonical(msg), hashlib.sha256).digest()
+def tag(
+    msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes, answers: bytes | None = None
+) -> bytes:
+    """HMAC-SHA256 of the canonical encoding of ``msg`` without its tag, followed, for a reply,
+    by the tag of the pull or cancel it ``answers`` (8.6-R13)."""
+    return hmac.new(key, encode_canonical(msg) + (answers or b""), hashlib.sha256).digest()
 
 
-def sign(msg: M, key: bytes) -> M:
+def sign(msg: M, key: bytes, answers: bytes | None = None) -> M:
     """A copy of ``msg`` carrying its authentication tag."""
-    return msgspec.structs.replace(msg, auth_tag=tag(msg, key))
+    return msgspec.structs.replace(msg, auth_tag=tag(msg, key, answers))
 
 
-def verify(msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes) -> None:
-    """Raise ``RemoteProtocolError`` unless ``msg`` carries a valid tag for ``key``."""
+def verify(
+    msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes, answers: bytes | None = None
+) -> None:
+    """Raise ``RemoteProtocolError`` unless ``msg`` carries a valid tag for ``key`` (and, for a
+    reply, for the tag of the message it ``answers``)."""
     if msg.auth_tag is None:
         raise RemoteProtocolError("message carries no auth_tag", section=sections.AUTHENTICATION)
-    if not hmac.compare_digest(msg.auth_tag, tag(msg, key)):
+    if not hmac.compare_digest(msg.auth_tag, tag(msg, key, answers)):
         raise RemoteProtocolError("auth_tag does not match", section=sections.AUTHENTICATION)

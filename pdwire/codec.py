@@ -33,6 +33,8 @@ from .versions import LEGACY, PDWIRE_2, Capability, Profile, check_profile
 DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 
 _encoder: Final = msgspec.msgpack.Encoder()
+#: Map keys in sorted order, struct fields in declaration order (8.6-R2).
+_canonical_encoder: Final = msgspec.msgpack.Encoder(order="deterministic")
 _pull_decoder: Final = msgspec.msgpack.Decoder(XferMetadataV2)
 _response_decoder: Final = msgspec.msgpack.Decoder(XferResponseV2)
 _cancel_decoder: Final = msgspec.msgpack.Decoder(XferCancel)
@@ -138,10 +140,11 @@ def encode_heartbeat(msg: LeaseHeartbeat, profile: Profile | Agreement = LEGACY)
 
 def encode_canonical(msg: XferMetadata | XferResponse | XferCancel) -> bytes:
     """The bytes an authentication tag covers (§8.6): the message without ``auth_tag``, fields in
-    declaration order, defaults omitted, every header and integer in its shortest form."""
+    declaration order, map keys sorted, defaults omitted, every header and integer in its
+    shortest form."""
     if getattr(msg, "auth_tag", None) is not None:
         msg = msgspec.structs.replace(msg, auth_tag=None)
-    data = _encoder.encode(msg)
+    data = _canonical_encoder.encode(msg)
     # msgspec sizes a struct's map header by its declared field count, not by the fields it writes.
     if data[0] == 0xDE and data[1] == 0 and data[2] <= 15:
         return bytes((0x80 | data[2],)) + data[3:]

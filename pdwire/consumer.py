@@ -47,7 +47,7 @@ from .messages import (
 from .messages import XferResponseStatus as Status
 from .negotiation import LEGACY_PEER, Agreement, Offer, negotiate
 from .planning import Side, layout_of, target_ranks
-from .session import Session, Timer, check_lease
+from .session import Session, Timer, check_keyed, check_lease
 from .transitions import LOAD_TRANSITIONS, LoadEvent, LoadState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
 
@@ -85,6 +85,7 @@ class ConsumerConfig:
 
     def __post_init__(self) -> None:
         check_lease(self.lease)
+        check_keyed(self.profile, self.auth_key)
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,6 +110,7 @@ class _Pull:
     receive_until: float
     cancel: bool = False
     heartbeat: bool = False
+    tag: bytes | None = None  # the auth_tag it was sent with, which its replies' tags cover
 
 
 class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
@@ -290,6 +292,13 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
                 if entry.pdwire_version
                 else LEGACY_PEER
             )
+        if self.config.auth_key is not None:
+            # Neither an entry nor a reply can talk a D with a key down to legacy (8.6-R14).
+            caps = peer.caps if peer is not None else frozenset()
+            peer = Offer(
+                max(self._offer.version, peer.version if peer else 0),
+                caps | {Capability.AUTH.value},
+            )
         return negotiate("decode", self._offer, peer)
 
     # -- pulls -------------------------------------------------------------------------------
@@ -341,6 +350,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             announced=agreement.announce,
             agreement=agreement,
             receive_until=now + self.config.receive_timeout,
+            tag=getattr(msg, "auth_tag", None),
         )
         self._pulls[pull.pull_id] = pull
         self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))
@@ -353,7 +363,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         try:
             reply = decode_response(ev.data)
             if self.config.auth_key is not None and pull.agreement.allows(Capability.AUTH):
-                auth.verify(reply, self.config.auth_key)
+                auth.verify(reply, self.config.auth_key, answers=pull.tag)
         except (DecodeError, RemoteProtocolError) as exc:
             self._fail_pull(pull, ErrorCode.BAD_MESSAGE, f"transfer failed: {exc}")
             return
@@ -518,6 +528,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
             agreement=agreement,
             receive_until=now + c.receive_timeout,
             cancel=True,
+            tag=msg.auth_tag,
         )
         self._pulls[pull.pull_id] = pull
         self._push(pull.receive_until, "receive", (pull.pull_id, pull.receive_until))

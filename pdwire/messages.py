@@ -230,7 +230,12 @@ class XferResponseV2(XferResponse, omit_defaults=True):
         dict[str, str] | None, _doc("Per failed D request id: its error code (§7.2).", V2)
     ] = None
     auth_tag: Annotated[
-        bytes | None, _doc("HMAC-SHA256 over the canonical encoding without this field.", V2)
+        bytes | None,
+        _doc(
+            "HMAC-SHA256 over the canonical encoding without this field, then the auth_tag of "
+            "the message answered (8.6-R13).",
+            V2,
+        ),
     ] = None
 
 

@@ -47,7 +47,7 @@ from .planning import (
     regions_of_pull,
     target_ranks,
 )
-from .session import Session, Timer, check_lease
+from .session import Session, Timer, check_keyed, check_lease
 from .transitions import TERMINAL, TRANSFER_TRANSITIONS, TransferEvent, TransferState
 from .versions import ALL_CAPS, PDWIRE_2, Capability, Profile
 
@@ -85,6 +85,7 @@ class ProducerConfig:
 
     def __post_init__(self) -> None:
         check_lease(self.lease)
+        check_keyed(self.profile, self.auth_key)
 
 
 @dataclasses.dataclass(slots=True)
@@ -156,6 +157,9 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         self._pulls: dict[int, _Pull] = {}
         self._writes: dict[int, int] = {}  # write_id -> pull key
         self._deferred_cancels: dict[int, list[MessageReceived]] = {}  # pull key -> cancels
+        # The auth_tag of the pull or cancel each identity sent, until its terminal reply: the
+        # tags of the replies cover it (8.6-R13).
+        self._answering: dict[bytes, bytes] = {}
         self._plans: dict[tuple[object, ...], Plan | PlanError] = {}
         self._peer_layouts: OrderedDict[tuple[object, ...], Plan | PlanError] = OrderedDict()
 
@@ -370,13 +374,17 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         return negotiate("prefill", self._offer, peer)
 
     def _reply(self, identity: bytes, agreement: Agreement | None, reply: Reply) -> None:
+        if reply.status is Status.CONTINUE:
+            answers = self._answering.get(identity)
+        else:
+            answers = self._answering.pop(identity, None)
         agreement = agreement or negotiate("prefill", self._offer, LEGACY_PEER)
         if agreement.announce:
             reply.pdwire_version = self._offer.version
             reply.pdwire_caps = sorted(self._offer.caps)
             _drop_unagreed_codes(reply, agreement)
         if self.config.auth_key is not None and agreement.allows(Capability.AUTH):
-            reply = auth.sign(reply, self.config.auth_key)
+            reply = auth.sign(reply, self.config.auth_key, answers)
         self._out.append(SendReply(identity, reply, encode_response(reply, agreement)))
 
     def _reply_error(
@@ -402,6 +410,8 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         return True
 
     def _on_pull(self, identity: bytes, msg: XferMetadataV2, now: float) -> None:
+        if msg.auth_tag is not None:
+            self._answering[identity] = msg.auth_tag
         agreement = self._agreement(msg.pdwire_version, msg.pdwire_caps)
         problem = self._check_pull(msg, agreement)
         if problem is not None:
@@ -710,6 +720,8 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
     # -- cancel (pdwire/2, §3.5) -------------------------------------------------------------
 
     def _on_cancel(self, ev: MessageReceived, cancel: XferCancel, now: float) -> None:
+        if cancel.auth_tag is not None:
+            self._answering[ev.identity] = cancel.auth_tag
         agreement = self._agreement(cancel.pdwire_version, [])
         if not self._authentic(cancel):
             self._reply_error(ev.identity, agreement, ErrorCode.AUTH_FAILED, msgs.AUTH_FAILED)

@@ -9,6 +9,7 @@ import itertools
 from typing import Any, Generic, TypeVar
 
 from . import error_strings
+from .versions import LEGACY, Profile, check_profile
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -22,6 +23,16 @@ def check_lease(duration: float | None) -> float | None:
     if duration is not None and not duration > 0:
         raise ValueError(error_strings.LEASE_NOT_POSITIVE.format(duration=float(duration)))
     return duration
+
+
+def check_keyed(profile: Profile, auth_key: bytes | None) -> None:
+    """A side with a key speaks pdwire/2 only (8.6-R14): ``ValueError`` for a key with the
+    legacy profile, which carries no tag."""
+    if auth_key is not None and check_profile(profile) == LEGACY:
+        raise ValueError(
+            "an auth key needs the pdwire/2 profile: the legacy profile carries no auth_tag "
+            "(spec 8.6-R14)"
+        )
 
 
 class Session(Generic[In, Out]):

@@ -81,6 +81,7 @@ class Vector:
     error: dict[str, str] | None = None
     max_size: int | None = None
     signed: bool = False
+    answers: bytes = b""  # a signed reply: the auth_tag of the message it answers (8.6-R13)
 
     def document(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -94,6 +95,8 @@ class Vector:
             doc["max_size"] = self.max_size
         if self.signed:
             doc["auth_key_hex"] = AUTH_KEY.hex()
+        if self.answers:
+            doc["answers_tag_hex"] = self.answers.hex()
         if self.error is not None:
             doc["error"] = self.error
         else:
@@ -174,12 +177,28 @@ def _announce_pull(**changes: Any) -> XferMetadataV2:
 
 
 def _valid(
-    name: str, decoder: Decoder, description: str, msg: Any, profile: Profile, signed: bool = False
+    name: str,
+    decoder: Decoder,
+    description: str,
+    msg: Any,
+    profile: Profile,
+    signed: bool = False,
+    answers: bytes = b"",
 ) -> Vector:
     if signed:
-        msg = sign(msg, AUTH_KEY)
+        msg = sign(msg, AUTH_KEY, answers)
     data = ENCODERS[decoder](msg, profile)
-    return Vector(name, decoder, description, data, profile, DECODERS[decoder](data))
+    message = DECODERS[decoder](data)
+    return Vector(
+        name, decoder, description, data, profile, message, signed=signed, answers=answers
+    )
+
+
+def _signed_pull() -> XferMetadataV2:
+    """A pull of two requests whose ids are not in sorted order on the wire: its tag covers
+    them sorted (8.6-R2)."""
+    two = {"cmpl-2-0": ("xfer-2", [[7, 8]]), "cmpl-1-0": ("xfer-1", [[4, 5, 6]])}
+    return sign(_announce_pull(req_blocks=two), AUTH_KEY)
 
 
 def _older(name: str, description: str, obj: dict[str, Any]) -> Vector:
@@ -293,8 +312,9 @@ def _pull_vectors() -> list[Vector]:
         _valid(
             "pull-pdwire2-signed",
             "pull",
-            "pdwire/2 pull with an auth_tag (§8.6).",
-            _announce_pull(),
+            "pdwire/2 pull with an auth_tag (§8.6), its requests not in sorted order: the tag "
+            "covers them sorted.",
+            _signed_pull(),
             PDWIRE_2,
             signed=True,
         ),
@@ -436,10 +456,11 @@ def _response_vectors() -> list[Vector]:
         _valid(
             "response-pdwire2-signed",
             "response",
-            "pdwire/2 reply with an auth_tag.",
-            v2(S.FINISH, ok_reqs=["cmpl-1-0"], pdwire_version=2),
+            "pdwire/2 reply with an auth_tag, to the pull of pull-pdwire2-signed (8.6-R13).",
+            v2(S.FINISH, ok_reqs=["cmpl-2-0", "cmpl-1-0"], pdwire_version=2),
             PDWIRE_2,
             signed=True,
+            answers=_signed_pull().auth_tag or b"",
         ),
     ]
 
@@ -659,7 +680,8 @@ def _check_one(doc: dict[str, Any], data: bytes) -> tuple[bool, str, Any]:
         return False, "decoded message differs from the expected JSON", got
     if "auth_key_hex" in doc:
         try:
-            verify(msg, bytes.fromhex(doc["auth_key_hex"]))
+            answers = bytes.fromhex(doc.get("answers_tag_hex", ""))
+            verify(msg, bytes.fromhex(doc["auth_key_hex"]), answers)
         except RemoteProtocolError as exc:
             return False, str(exc), got
     if "profile" in doc and ENCODERS[doc["decoder"]](msg, doc["profile"]) != data:

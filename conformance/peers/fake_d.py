@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 import zmq
@@ -61,6 +62,7 @@ class PullResult:
     replies: list[Reply]
     timed_out: bool  # no terminal reply within the wait
     elapsed: float
+    sent_tag: bytes | None = None  # the auth_tag of what was sent, which signed replies cover
 
     @property
     def terminal(self) -> XferResponseV2 | None:
@@ -321,7 +323,17 @@ async def exchange(
         sock.close(linger=0)
     if timed_out:
         log.note(f"no terminal reply within {timeout:.1f}s")
-    return PullResult(replies, timed_out, time.monotonic() - start)
+    return PullResult(replies, timed_out, time.monotonic() - start, sent_tag(frames))
+
+
+def sent_tag(frames: list[bytes]) -> bytes | None:
+    """The ``auth_tag`` of the message in ``frames``, if it is a map that carries one."""
+    try:
+        obj = msgspec.msgpack.decode(frames[-1])
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    tag = obj.get("auth_tag") if isinstance(obj, dict) else None
+    return tag if isinstance(tag, bytes) else None
 
 
 def _frames(frames: Sequence[bytes]) -> list[str]:

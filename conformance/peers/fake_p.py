@@ -84,6 +84,12 @@ class Received:
         return self.pull is not None and self.pull.pdwire_version >= 2
 
     @property
+    def auth_tag(self) -> bytes | None:
+        """The tag of the pull or cancel, which the tags of its replies cover (8.6-R13)."""
+        m: XferMetadataV2 | XferCancel | None = self.pull or self.cancel
+        return m.auth_tag if m is not None else None
+
+    @property
     def with_layout(self) -> bool:
         return self.pull is not None and bool(self.pull.kv_caches_base_addr)
 
@@ -428,7 +434,7 @@ class FakeP:
         fields.update(v2)
         msg = XferResponseV2(**fields)
         if announce and self.config.auth_key is not None and "auth_tag" not in v2:
-            msg = auth.sign(msg, self.config.auth_key)
+            msg = auth.sign(msg, self.config.auth_key, answers=rx.auth_tag)
         return msg
 
     async def serve(self, rx: Received) -> None:

@@ -5,8 +5,10 @@ pdwire/2 replies with the key unless a case says otherwise."""
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
 
 from pdwire import auth
+from pdwire.messages import XferResponseV2
 from pdwire.versions import Capability
 
 from ..case import expect, expect_equal
@@ -43,21 +45,45 @@ async def pulls_are_signed(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/8.6/2",
     "8.6-R8",
-    covers=("8.6-R6",),
+    covers=("8.6-R6", "8.6-R13"),
 )
 async def reply_with_a_bad_tag_fails_the_request(t: ConsumerCtx) -> None:
     """A FINISH listing the request, its bytes written, fails the request when its `auth_tag`
-    is missing or is not the tag under the shared key: D does not trust the reply."""
+    is missing, is not the tag under the shared key, or does not cover the pull's tag (a reply
+    recorded on another pull): D does not trust the reply."""
     key = t.auth_key
     fake = await t.fake_p()
-    for what, tag in (("without auth_tag", None), ("signed with another key", b"other")):
+    bad_tags: tuple[tuple[str, Callable[[XferResponseV2], bytes] | None], ...] = (
+        ("without auth_tag", None),
+        ("signed with another key", lambda reply: auth.tag(reply, b"other" + key)),
+        ("signed without the pull's tag", lambda reply: auth.tag(reply, key)),
+    )
+    for what, bad_tag in bad_tags:
         leg = t.start(fake)
         rx = await t.pull_of(fake, leg)
         fake.write(rx)
         ok = [rx.d_req(leg.transfer_id)]
-        if tag is None:
-            await fake.reply(rx, ok=ok, auth_tag=None)
-        else:
-            unsigned = fake.response(rx, ok=ok)
-            await fake.reply(rx, ok=ok, auth_tag=auth.tag(unsigned, tag + key))
+        tag = None if bad_tag is None else bad_tag(fake.response(rx, ok=ok, auth_tag=None))
+        await fake.reply(rx, ok=ok, auth_tag=tag)
         t.expect_failed(await leg.result(), f"after a FINISH {what}")
+
+
+@consumer_case("consumer/8.6/3", "8.6-R14", covers=("8.6-R5",))
+async def keyed_d_never_speaks_legacy(t: ConsumerCtx) -> None:
+    """A D with a key, sent to a P whose /query entry and replies say legacy, still announces
+    pdwire/2 and signs its pull, and fails the request on P's unsigned FINISH though P wrote
+    the bytes: nothing on the path can talk it down to a profile with no tag."""
+    key = t.auth_key
+    fake = await t.fake_p(version=None)
+    leg = t.start(fake)
+    rx = await t.pull_of(fake, leg)
+    pull = rx.pull
+    assert pull is not None
+    expect(rx.announced, "D sent a legacy pull, which carries no tag, to a legacy P")
+    expect(
+        pull.auth_tag is not None and hmac.compare_digest(pull.auth_tag, auth.tag(pull, key)),
+        "D's pull to a legacy P is not signed under the shared key",
+    )
+    fake.write(rx)
+    await fake.reply(rx, ok=[rx.d_req(leg.transfer_id)], announce=False)
+    t.expect_failed(await leg.result(), "after a legacy, unsigned FINISH")

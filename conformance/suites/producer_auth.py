@@ -12,7 +12,6 @@ from typing import Any
 import msgspec
 
 from pdwire import auth, error_strings
-from pdwire.messages import XferResponseV2
 
 from ..case import case, expect, expect_equal
 from ..peers.fake_d import DWorker, PullResult
@@ -109,28 +108,29 @@ async def pull_with_a_tag_over_other_content_is_refused(t: ProducerCtx) -> None:
 @case(
     "producer/8.6/3",
     "8.6-R5",
-    covers=("3.4-R13", "8.6-R1", "8.6-R3", "8.6-R4", "8.6-R9"),
+    covers=("3.4-R13", "8.6-R1", "8.6-R3", "8.6-R4", "8.6-R9", "8.6-R13"),
 )
 async def replies_are_signed(t: ProducerCtx) -> None:
     """A P with a key announces `auth` and signs every reply to a pdwire/2 D: its `auth_tag` is
-    32 bytes, the HMAC-SHA256 of the reply's canonical encoding under the key."""
+    32 bytes, the HMAC-SHA256 of the reply's canonical encoding followed by the pull's tag, under
+    the key."""
     key = t.auth_key
     t.require_cap("auth")
     loaded = await t.load(announce=True)
     try:
         t.expect_loaded(loaded)
-        replies: list[XferResponseV2] = [m for _, _, r in loaded.pulls for m in r.decoded()]
+        replies = [(m, r.sent_tag) for _, _, r in loaded.pulls for m in r.decoded()]
         expect(bool(replies), "P sent no reply")
-        for reply in replies:
+        for reply, pull_tag in replies:
             expect("auth" in (reply.pdwire_caps or []), f"P's reply announces {reply.pdwire_caps}")
             tag = reply.auth_tag
             expect(tag is not None, f"P's {reply.status.name} reply carries no auth_tag")
             assert tag is not None
             expect_equal(len(tag), 32, "the length of auth_tag")
             expect(
-                hmac.compare_digest(tag, auth.tag(reply, key)),
+                hmac.compare_digest(tag, auth.tag(reply, key, answers=pull_tag)),
                 f"P's {reply.status.name} reply: auth_tag is not the tag of its canonical "
-                "encoding under the shared key",
+                "encoding and its pull's tag under the shared key",
             )
     finally:
         t.release(loaded)
@@ -229,3 +229,63 @@ async def keyed_bootstrap_accepts_a_signed_registration(t: ProducerCtx) -> None:
         t.expect_loaded(loaded)
     finally:
         t.release(loaded)
+
+
+@case("producer/8.6/7", "8.6-R14", covers=("8.6-R7", "3.4-R6"))
+async def keyed_p_refuses_a_legacy_pull(t: ProducerCtx) -> None:
+    """A pull that does not announce pdwire/2, and so carries no tag, is refused by a P with a
+    key: `ERROR` "auth_tag missing or invalid." with no pdwire/2 field, and nothing written;
+    signed pulls of the same transfer are then served."""
+    _ = t.auth_key
+    t.require_pdwire2()
+    (tid,) = await t.ready()
+    worker = t.d_workers()[0]
+    blocks = worker.take(t.blocks_for())
+    what = "the legacy pull"
+    try:
+        msg = worker.pull({t.new_d_req(): (tid, [blocks])})
+        got = await t.send(t.targets(worker)[0], t.encode(msg, False))
+        reply = got.terminal
+        expect(
+            reply is not None and reply.status.name == "ERROR",
+            f"{what}: expected ERROR, got {got.describe()}",
+        )
+        assert reply is not None
+        expect_equal(reply.err_msg, error_strings.AUTH_FAILED, f"{what}: err_msg")
+        expect(
+            reply.pdwire_version == 0 and reply.err_code is None and reply.auth_tag is None,
+            f"{what}: the reply carries pdwire/2 fields, which a legacy D cannot decode",
+        )
+        _expect_untouched(worker, blocks, what)
+    finally:
+        worker.give_back(blocks)
+    await _serve_signed(t, tid)
+
+
+@case("producer/8.6/8", "8.6-R2", covers=("8.6-R6",))
+async def map_keys_are_signed_sorted(t: ProducerCtx) -> None:
+    """A signed pull of two requests whose ids are sent in descending order is served: P
+    computes the tag over its `req_blocks` with the keys sorted, as the harness signed it, not
+    in the order they came."""
+    _ = t.auth_key
+    t.require_pdwire2()
+    tids = await t.ready(2)
+    d_reqs = sorted((t.new_d_req() for _ in tids), reverse=True)
+    taken = {w: [w.take(t.blocks_for()) for _ in tids] for w in t.d_workers()}
+    try:
+        for w, blocks in taken.items():
+            req = {
+                d: (tid, w.group_lists(b)) for d, tid, b in zip(d_reqs, tids, blocks, strict=True)
+            }
+            sent = list(w.pull(req, **t.announce()).req_blocks)
+            expect_equal(sent, d_reqs, "the order of req_blocks as sent")
+            for addr in t.targets(w):
+                r = await t.pull(w, addr, req, announce=True)
+                for d_req in d_reqs:
+                    t.expect_ok(w, addr, r, d_req)
+            for b in blocks:
+                t.expect_written(w, b)
+    finally:
+        for w, blocks in taken.items():
+            for b in blocks:
+                w.give_back(b)

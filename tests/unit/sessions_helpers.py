@@ -180,8 +180,10 @@ def reply_bytes(
     v2: bool = False,
     caps: Iterable[str] = CAPS,
     auth_key: bytes | None = None,
+    answers: bytes | None = None,
 ) -> bytes:
-    """What P would send on a pull: a reply, encoded as a legacy or a pdwire/2 P sends it."""
+    """What P would send on a pull: a reply, encoded as a legacy or a pdwire/2 P sends it
+    (signed, with ``auth_key``, for the pull whose tag is ``answers``)."""
     ok_list, err_list = list(ok or ()), list(err or ())
     if not v2:
         reply = XferResponse(
@@ -204,7 +206,7 @@ def reply_bytes(
         err_codes=dict(err_codes) if err_codes else None,
     )
     if auth_key is not None:
-        reply2 = sign(reply2, auth_key)
+        reply2 = sign(reply2, auth_key, answers)
     return msgspec.msgpack.encode(reply2)
 
 

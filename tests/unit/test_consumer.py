@@ -537,18 +537,39 @@ def test_malformed_reply_fails_the_pull(data: bytes) -> None:
     assert ClosePull(pull.pull_id) in out and c.session.open_pulls == 0
 
 
-def test_unsigned_reply_fails_when_auth_is_agreed() -> None:
-    """8.6-R6/R8: a D with a key rejects an unsigned or wrongly signed reply and fails the pull;
-    a correctly signed one is accepted."""
+@pytest.mark.parametrize("bad", ["unsigned", "not-bound-to-the-pull"])
+def test_unsigned_reply_fails_when_auth_is_agreed(bad: str) -> None:
+    """8.6-R6/R8/R13: a D with a key rejects an unsigned reply, or one whose tag does not cover
+    its pull's tag, and fails the pull; one signed for its pull is accepted."""
     key = b"k" * 32
     c = Driver(consumer(auth_key=key))
     (pull,) = started(c, load("r1"), load("r2"))
-    assert decode_pull(pull.data).auth_tag is not None
-    out = c(ReplyReceived(pull.pull_id, reply_bytes(CONTINUE, ["r1"], v2=True, auth_key=key)), 1)
-    assert reports(out) == [RequestLoaded("r1")]
-    out = c(ReplyReceived(pull.pull_id, reply_bytes(FINISH, ["r2"], v2=True)), 2)
+    pull_tag = decode_pull(pull.data).auth_tag
+    assert pull_tag is not None
+    signed = reply_bytes(CONTINUE, ["r1"], v2=True, auth_key=key, answers=pull_tag)
+    assert reports(c(ReplyReceived(pull.pull_id, signed), 1)) == [RequestLoaded("r1")]
+    unsigned = {"unsigned": {}, "not-bound-to-the-pull": {"auth_key": key}}[bad]
+    out = c(ReplyReceived(pull.pull_id, reply_bytes(FINISH, ["r2"], v2=True, **unsigned)), 2)
     assert [type(r) for r in reports(out)] == [RequestFailed]
     assert of_type(out, RequestFailed)[0].code is ErrorCode.BAD_MESSAGE
+
+
+@pytest.mark.parametrize("reply_v2", [False, True], ids=["legacy-reply", "unsigned-v2-reply"])
+def test_a_keyed_d_never_speaks_legacy(reply_v2: bool) -> None:
+    """8.6-R14: a D with a key announces and signs its pull to a P whose /query entry says
+    legacy, and fails the request on P's unsigned reply, with or without pdwire_version."""
+    c = Driver(consumer(auth_key=b"k" * 32))
+    (pull,) = started(c, load("r1"), v2=False)
+    msg = decode_pull(pull.data)
+    assert msg.pdwire_version == 2 and msg.auth_tag is not None
+    out = c(ReplyReceived(pull.pull_id, reply_bytes(FINISH, ["r1"], v2=reply_v2)), 1)
+    assert [type(r) for r in reports(out)] == [RequestFailed]
+
+
+def test_a_key_needs_the_pdwire2_profile() -> None:
+    """8.6-R14: a key with the legacy profile is a configuration error."""
+    with pytest.raises(ValueError, match=r"8\.6-R14"):
+        consumer(profile=LEGACY, auth_key=b"k")
 
 
 # -- announcing (§8) ---------------------------------------------------------------------------

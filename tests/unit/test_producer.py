@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from pdwire import ErrorCode, LocalProtocolError, XferResponseStatus, auth
+from pdwire.codec import decode_pull
+from pdwire.errors import RemoteProtocolError
 from pdwire.events import (
     FreeBlocks,
     FreeReason,
@@ -725,15 +727,20 @@ def test_auth_rejects_unsigned_and_serves_signed() -> None:
     key = b"k" * 32
     p = Driver(producer(auth_key=key))
     p(TransferFinished("x1", "p1", [[1]]))
-    for identity, peer in ((b"u", V2), (b"w", DPeer(auth_key=b"x" * 32))):
+    refused = ((b"u", V2), (b"w", DPeer(auth_key=b"x" * 32)), (b"l", LEGACY_D))
+    for identity, peer in refused:
         reply = only_reply(p(MessageReceived(identity, peer.pull({"r1": ("x1", [[5]])}))), identity)
         assert reply.status is ERROR
         assert reply.err_msg == "auth_tag missing or invalid."
-        assert reply.err_code == ErrorCode.AUTH_FAILED
+        # 8.6-R14: a legacy pull is refused too, in a reply with no pdwire/2 field (3.4-R6).
+        assert reply.err_code == (None if peer is LEGACY_D else ErrorCode.AUTH_FAILED)
     assert p.session.state_of("x1") is TransferState.READY and p.session.open_pulls == 0
-    reply = serve(p, b"s", DPeer(auth_key=key).pull({"r1": ("x1", [[5]])}), 1)
+    pull = DPeer(auth_key=key).pull({"r1": ("x1", [[5]])})
+    reply = serve(p, b"s", pull, 1)
     assert reply.ok_reqs == ["r1"] and reply.auth_tag is not None
-    auth.verify(reply, key)
+    auth.verify(reply, key, answers=decode_pull(pull).auth_tag)  # 8.6-R13
+    with pytest.raises(RemoteProtocolError):
+        auth.verify(reply, key)
     unsigned_cancel = only_reply(p(MessageReceived(b"c", V2.cancel({"r9": "x9"}))), b"c")
     assert unsigned_cancel.err_code == ErrorCode.AUTH_FAILED
     assert p.session.state_of("x9") is None
