@@ -12,10 +12,11 @@ from typing import Any
 
 import msgspec
 
-from pdwire import auth, codec
+from pdwire import auth, codec, sections
 from pdwire import consumer as consumer_module
 from pdwire import producer as producer_module
 from pdwire.consumer import ConsumerSession
+from pdwire.errors import RemoteProtocolError
 from pdwire.producer import ProducerSession
 from reference_connector import bootstrap
 
@@ -80,7 +81,7 @@ def _p_unsigned_reply() -> None:
     cases=("producer/8.6/5",),
 )
 def _bootstrap_accepts_unsigned() -> None:
-    replace(bootstrap, "tag_is_valid", lambda body, key: True)
+    replace(bootstrap, "registration_is_signed", lambda body, keys: True)
 
 
 @mutant(
@@ -94,7 +95,7 @@ def _bootstrap_unsorted() -> None:
         text = json.dumps(payload, separators=(",", ":"), ensure_ascii=True)
         return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
-    replace(bootstrap, "register_tag", register_tag)
+    replace(auth, "register_tag", register_tag)
 
 
 @mutant(
@@ -179,3 +180,30 @@ def _d_keyed_speaks_legacy() -> None:
 )
 def _p_signs_maps_as_sent() -> None:
     replace(codec, "_canonical_encoder", msgspec.msgpack.Encoder())
+
+
+def _any_id_verify(msg: Any, keys: auth.Keys, answers: bytes | None = None) -> None:
+    """``auth.verify`` that checks the tag under the first key whatever ``auth_key_id`` says."""
+    first = keys if isinstance(keys, bytes) else keys[0]
+    if msg.auth_tag is None or not hmac.compare_digest(msg.auth_tag, auth.tag(msg, first, answers)):
+        raise RemoteProtocolError("auth_tag does not match", section=sections.AUTHENTICATION)
+
+
+@mutant(
+    "p-ignores-key-id",
+    "prefill",
+    "checks a tag under its key whatever key auth_key_id names",
+    cases=("producer/8.6/9",),
+)
+def _p_ignores_key_id() -> None:
+    replace(producer_module, "auth", _auth_with(verify=_any_id_verify))
+
+
+@mutant(
+    "d-ignores-key-id",
+    "decode",
+    "checks a reply's tag under its key whatever key auth_key_id names",
+    cases=("consumer/8.6/2",),
+)
+def _d_ignores_key_id() -> None:
+    replace(consumer_module, "auth", _auth_with(verify=_any_id_verify))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -27,6 +28,25 @@ def read_key_file(path: str) -> bytes:
     return key
 
 
+#: A side's keys: the one it signs with first, then any it still accepts (8.6-R16).
+Keys = bytes | Sequence[bytes]
+_KEY_ID_LABEL: Final = b"pdwire/2 key id"
+
+
+def key_id(key: bytes) -> str:
+    """The id signed messages and registrations carry for ``key`` (8.6-R15): the first 8 bytes
+    of HMAC-SHA256 of "pdwire/2 key id" under the key, as 16 lower-case hex digits."""
+    return hmac.new(key, _KEY_ID_LABEL, hashlib.sha256).digest()[:8].hex()
+
+
+def key_named(keys: Keys, wanted: object) -> bytes | None:
+    """The one of ``keys`` whose id is ``wanted``, if any (8.6-R16)."""
+    for key in (keys,) if isinstance(keys, bytes) else keys:
+        if isinstance(wanted, str) and hmac.compare_digest(key_id(key), wanted):
+            return key
+    return None
+
+
 def canonical_json(payload: dict[str, Any]) -> bytes:
     """The canonical JSON of a registration body (8.6-R11)."""
     text = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
@@ -38,6 +58,23 @@ def register_tag(payload_without_tag: dict[str, Any], key: bytes) -> str:
     return hmac.new(key, canonical_json(payload_without_tag), hashlib.sha256).hexdigest()
 
 
+def sign_registration(body: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """``body`` with the id of ``key`` and its ``auth_tag`` (8.6-R10, 8.6-R15)."""
+    named = {**{k: v for k, v in body.items() if k != "auth_tag"}, "auth_key_id": key_id(key)}
+    return {**named, "auth_tag": register_tag(named, key)}
+
+
+def registration_is_signed(body: dict[str, Any], keys: Keys) -> bool:
+    """Whether ``body`` carries a valid ``auth_tag`` under the key its ``auth_key_id`` names
+    (8.6-R12, 8.6-R16)."""
+    sent = body.get("auth_tag")
+    key = key_named(keys, body.get("auth_key_id"))
+    if not isinstance(sent, str) or key is None:
+        return False
+    rest = {k: v for k, v in body.items() if k != "auth_tag"}
+    return hmac.compare_digest(sent.encode(), register_tag(rest, key).encode())
+
+
 def tag(
     msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes, answers: bytes | None = None
 ) -> bytes:
@@ -47,16 +84,23 @@ def tag(
 
 
 def sign(msg: M, key: bytes, answers: bytes | None = None) -> M:
-    """A copy of ``msg`` carrying its authentication tag."""
-    return msgspec.structs.replace(msg, auth_tag=tag(msg, key, answers))
+    """A copy of ``msg`` naming ``key`` by its id and carrying its authentication tag."""
+    named = msgspec.structs.replace(msg, auth_key_id=key_id(key))
+    return msgspec.structs.replace(named, auth_tag=tag(named, key, answers))
 
 
 def verify(
-    msg: XferMetadataV2 | XferResponseV2 | XferCancel, key: bytes, answers: bytes | None = None
+    msg: XferMetadataV2 | XferResponseV2 | XferCancel, keys: Keys, answers: bytes | None = None
 ) -> None:
-    """Raise ``RemoteProtocolError`` unless ``msg`` carries a valid tag for ``key`` (and, for a
-    reply, for the tag of the message it ``answers``)."""
+    """Raise ``RemoteProtocolError`` unless ``msg`` carries a valid tag under the one of
+    ``keys`` its ``auth_key_id`` names (and, for a reply, for the tag of the message it
+    ``answers``)."""
     if msg.auth_tag is None:
         raise RemoteProtocolError("message carries no auth_tag", section=sections.AUTHENTICATION)
+    key = key_named(keys, msg.auth_key_id)
+    if key is None:
+        raise RemoteProtocolError(
+            f"auth_key_id {msg.auth_key_id!r} names no key held", section=sections.AUTHENTICATION
+        )
     if not hmac.compare_digest(msg.auth_tag, tag(msg, key, answers)):
         raise RemoteProtocolError("auth_tag does not match", section=sections.AUTHENTICATION)

@@ -81,7 +81,13 @@ class ConsumerConfig:
     deadline: float = LOAD_DEADLINE
     #: vLLM 0.34's ``kv_lease_duration``: renew P's lease every lease/6 s (§6.4); None = never.
     lease: float | None = None
-    auth_key: bytes | None = None
+    auth_key: bytes | None = None  # signs what this side sends
+    accepted_keys: tuple[bytes, ...] = ()  # accepted besides auth_key: older keys (8.6-R16)
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """The keys this side verifies with."""
+        return () if self.auth_key is None else (self.auth_key, *self.accepted_keys)
 
     def __post_init__(self) -> None:
         check_lease(self.lease)
@@ -363,7 +369,7 @@ class ConsumerSession(Session[ConsumerInput, ConsumerOutput]):
         try:
             reply = decode_response(ev.data)
             if self.config.auth_key is not None and pull.agreement.allows(Capability.AUTH):
-                auth.verify(reply, self.config.auth_key, answers=pull.tag)
+                auth.verify(reply, self.config.keys, answers=pull.tag)
         except (DecodeError, RemoteProtocolError) as exc:
             self._fail_pull(pull, ErrorCode.BAD_MESSAGE, f"transfer failed: {exc}")
             return

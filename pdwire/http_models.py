@@ -117,6 +117,7 @@ class RegisterWorkerPayload(_Model):
     tp_size: int | None = _ext("P's TP size.", ge=1)
     pp_size: int | None = _ext("P's PP size.", ge=1)
     fingerprint: Fingerprint | None = _ext("P's compatibility fingerprint (§3.6).")
+    auth_key_id: str | None = _ext("Id of the key auth_tag was made with (8.6-R15).")
     auth_tag: str | None = _ext("Hex HMAC-SHA256 of the body without this field (§8.6).")
 
 

@@ -194,6 +194,9 @@ class XferMetadataV2(XferMetadata, omit_defaults=True):
     deadline_ms: Annotated[
         int, Meta(ge=0), _doc("D's remaining wait budget for this pull in ms; 0 = none.", V2)
     ] = 0
+    auth_key_id: Annotated[
+        str | None, _doc("Id of the key auth_tag was made with (8.6-R15).", V2)
+    ] = None
     auth_tag: Annotated[
         bytes | None, _doc("HMAC-SHA256 over the canonical encoding without this field.", V2)
     ] = None
@@ -229,6 +232,9 @@ class XferResponseV2(XferResponse, omit_defaults=True):
     err_codes: Annotated[
         dict[str, str] | None, _doc("Per failed D request id: its error code (§7.2).", V2)
     ] = None
+    auth_key_id: Annotated[
+        str | None, _doc("Id of the key auth_tag was made with (8.6-R15).", V2)
+    ] = None
     auth_tag: Annotated[
         bytes | None,
         _doc(
@@ -253,6 +259,9 @@ class XferCancel(msgspec.Struct, omit_defaults=True):
     remote_pp_size: Annotated[int, Meta(ge=1), _doc("D's pipeline-parallel size.", V2)] = 1
     remote_pp_rank: Annotated[int, Meta(ge=0), _doc("The sending D worker's PP rank.", V2)] = 0
     reason: Annotated[str, _doc("Why, for logs (abort, stage will not pull, ...).", V2)] = ""
+    auth_key_id: Annotated[
+        str | None, _doc("Id of the key auth_tag was made with (8.6-R15).", V2)
+    ] = None
     auth_tag: Annotated[
         bytes | None, _doc("HMAC-SHA256 over the canonical encoding without this field.", V2)
     ] = None

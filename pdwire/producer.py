@@ -80,12 +80,18 @@ class ProducerConfig:
     #: vLLM 0.34's ``kv_lease_duration``: a finished transfer is held this long, renewals move
     #: it on (§6.4); None holds it for ``abort_timeout`` and refuses renewals.
     lease: float | None = None
-    auth_key: bytes | None = None
+    auth_key: bytes | None = None  # signs what this side sends
+    accepted_keys: tuple[bytes, ...] = ()  # accepted besides auth_key: older keys (8.6-R16)
     max_message_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         check_lease(self.lease)
         check_keyed(self.profile, self.auth_key)
+
+    @property
+    def keys(self) -> tuple[bytes, ...]:
+        """The keys this side verifies with."""
+        return () if self.auth_key is None else (self.auth_key, *self.accepted_keys)
 
 
 @dataclasses.dataclass(slots=True)
@@ -404,7 +410,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         if self.config.auth_key is None:
             return True
         try:
-            auth.verify(msg, self.config.auth_key)
+            auth.verify(msg, self.config.keys)
         except RemoteProtocolError:
             return False
         return True

@@ -8,7 +8,6 @@ registration are dropped, replies carry no ``pdwire_version`` and there is no ``
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from pdwire import error_strings as es
 from pdwire import sections
-from pdwire.auth import register_tag
+from pdwire.auth import Keys, registration_is_signed
 from pdwire.errors import DecodeError
 from pdwire.http_models import (
     EngineEntry,
@@ -46,15 +45,6 @@ ENGINE_FIELDS_MISMATCH: Final = (
 #: pdwire/2 fields that describe the whole engine; all of its workers must agree (4.1-R12).
 ENGINE_FIELDS: Final = ("tp_size", "pp_size", "fingerprint")
 LEGACY_VERSION: Final = WIRE_VERSION["legacy"]
-
-
-def tag_is_valid(body: dict[str, Any], key: bytes) -> bool:
-    """Whether ``body`` carries a valid ``auth_tag`` for ``key`` (8.6-R12)."""
-    sent = body.get("auth_tag")
-    if not isinstance(sent, str):
-        return False
-    rest = {k: v for k, v in body.items() if k != "auth_tag"}
-    return hmac.compare_digest(sent.encode(), register_tag(rest, key).encode())
 
 
 # -- the registry ---------------------------------------------------------------------------
@@ -172,7 +162,7 @@ def _error(status: int, detail: str) -> JSONResponse:
     return JSONResponse(status_code=status, content=RegisterError(detail=detail).dump())
 
 
-def _parse_body(raw: bytes, auth_key: bytes | None) -> RegisterWorkerPayload:
+def _parse_body(raw: bytes, auth_key: Keys | None) -> RegisterWorkerPayload:
     """Decode, authenticate, then validate a registration body."""
     try:
         body = json.loads(raw)
@@ -180,7 +170,7 @@ def _parse_body(raw: bytes, auth_key: bytes | None) -> RegisterWorkerPayload:
         raise RegistrationRejected(422, _decode_error(f"invalid JSON: {exc}")) from None
     if not isinstance(body, dict):
         raise RegistrationRejected(422, _decode_error("the body must be a JSON object"))
-    if auth_key is not None and not tag_is_valid(body, auth_key):
+    if auth_key is not None and not registration_is_signed(body, auth_key):
         raise RegistrationRejected(401, AUTH_FAILED_DETAIL)
     try:
         return decode_json(RegisterWorkerPayload, body)
@@ -192,7 +182,7 @@ def _decode_error(message: str) -> str:
     return str(DecodeError(message, section=sections.REGISTER, kind="RegisterWorkerPayload"))
 
 
-def create_app(*, auth_key: bytes | None = None, server_version: int = CURRENT_VERSION) -> FastAPI:
+def create_app(*, auth_key: Keys | None = None, server_version: int = CURRENT_VERSION) -> FastAPI:
     """The bootstrap app; its registry is ``app.state.registry``.
 
     ``POST /register`` answers 200 ``RegisterReply``; 400 ``{"detail": ...}`` for the two
@@ -259,7 +249,7 @@ class BootstrapServer(AppServer):
     def __init__(
         self,
         *,
-        auth_key: bytes | None = None,
+        auth_key: Keys | None = None,
         server_version: int = CURRENT_VERSION,
         app: FastAPI | None = None,
     ) -> None:

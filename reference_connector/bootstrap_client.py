@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import httpx
 
 from pdwire import error_strings
-from pdwire.auth import register_tag
+from pdwire.auth import sign_registration
 from pdwire.errors import DecodeError
 from pdwire.http_models import (
     QueryResponse,
@@ -44,9 +44,7 @@ def external_url(address: str) -> str:
 def signed_body(payload: RegisterWorkerPayload, auth_key: bytes | None) -> dict[str, Any]:
     """The JSON body of a registration, with its ``auth_tag`` when there is a key (8.6-R10)."""
     body = {k: v for k, v in payload.dump().items() if k != "auth_tag"}
-    if auth_key is not None:
-        body["auth_tag"] = register_tag(body, auth_key)
-    return body
+    return body if auth_key is None else sign_registration(body, auth_key)
 
 
 def _detail(response: httpx.Response) -> str:

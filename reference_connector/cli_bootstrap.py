@@ -6,11 +6,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pdwire.auth import read_key_file
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT as DEFAULT_PORT
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
-from .cli_common import EXIT_USAGE, serve, standalone
+from .cli_common import EXIT_USAGE, add_key_options, read_keys, serve, standalone
 
 if TYPE_CHECKING:  # the server (FastAPI, uvicorn) loads only when the command runs
     from .bootstrap import BootstrapServer
@@ -29,11 +28,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})"
     )
-    p.add_argument(
-        "--auth-key-file",
-        metavar="PATH",
-        help="require registrations signed with the key in PATH (§8.6); the file's bytes are "
-        "the key, less a trailing newline",
+    add_key_options(
+        p,
+        "require registrations signed with the key in PATH (§8.6); the file's bytes are the "
+        "key, less a trailing newline",
     )
     p.add_argument(
         "--legacy",
@@ -47,7 +45,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT or SIGTERM; 0 on a clean stop, 1 if the server died, 2 on bad usage."""
     try:
-        key = read_key_file(args.auth_key_file) if args.auth_key_file else None
+        key, accepted = read_keys(args)
     except (OSError, ValueError) as exc:
         print(f"pdwire bootstrap: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -57,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         from .bootstrap import BootstrapServer
 
         version = WIRE_VERSION["legacy"] if args.legacy else CURRENT_VERSION
-        return BootstrapServer(auth_key=key, server_version=version).start(args.host, args.port)
+        keys = (key, *accepted) if key is not None else None
+        return BootstrapServer(auth_key=keys, server_version=version).start(args.host, args.port)
 
     return serve("bootstrap", start, lambda server: f"bootstrap server ({mode}) at {server.url}")
 

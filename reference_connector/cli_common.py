@@ -22,6 +22,30 @@ _POLL_S = 0.5
 A = TypeVar("A", bound="AppServer")
 
 
+def add_key_options(p: argparse.ArgumentParser, key_help: str) -> None:
+    """``--auth-key-file`` and ``--accept-key-file`` (§8.6)."""
+    p.add_argument("--auth-key-file", metavar="PATH", help=key_help)
+    p.add_argument(
+        "--accept-key-file",
+        metavar="PATH",
+        action="append",
+        default=[],
+        help="also accept messages and registrations signed with the older key in PATH, while "
+        "keys are rotated (8.6-R16; repeatable; needs --auth-key-file)",
+    )
+
+
+def read_keys(args: argparse.Namespace) -> tuple[bytes | None, tuple[bytes, ...]]:
+    """The key of ``--auth-key-file`` and those of ``--accept-key-file``; ``ValueError`` or
+    ``OSError`` naming the file when one cannot be used."""
+    from pdwire.auth import read_key_file
+
+    if args.accept_key_file and not args.auth_key_file:
+        raise ValueError("--accept-key-file needs --auth-key-file")
+    key = read_key_file(args.auth_key_file) if args.auth_key_file else None
+    return key, tuple(read_key_file(path) for path in args.accept_key_file)
+
+
 def serve(
     command: str,
     start: Callable[[], A],

@@ -7,13 +7,12 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from pdwire.auth import read_key_file
 from pdwire.http_models import DEFAULT_BOOTSTRAP_PORT
 from pdwire.session import check_lease
 from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
 from pdwire.versions import LEGACY, PDWIRE_2
 
-from .cli_common import serve, standalone
+from .cli_common import add_key_options, read_keys, serve, standalone
 from .dp_placement import LOAD_BALANCING, LOOPBACK, DataParallel
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
@@ -161,10 +160,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the workers' side-channel agent: a factory taking a "
         "reference_connector.worker_agents.WorkerContext (default: pdwire's own agents)",
     )
-    p.add_argument(
-        "--auth-key-file",
-        metavar="PATH",
-        help="sign and check every side-channel message and sign registrations with the key in "
+    add_key_options(
+        p,
+        "sign and check every side-channel message and sign registrations with the key in "
         "PATH (§8.6; pdwire/2 only); the node's own bootstrap server then requires it too",
     )
     p.add_argument(
@@ -224,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     role: Role = "prefill" if args.role == "prefill" else "decode"
     policy: Policy = "recompute" if args.load_failure_policy == "recompute" else "fail"
     try:
-        key = read_key_file(args.auth_key_file) if args.auth_key_file else None
+        key, accepted = read_keys(args)
     except (OSError, ValueError) as exc:
         print(f"pdwire node: {exc}", file=sys.stderr)
         return 2
@@ -284,6 +282,7 @@ def run(args: argparse.Namespace) -> int:
             chat_template=not args.no_chat_template,
             prefill_delay=args.prefill_delay,
             auth_key=key,
+            accepted_keys=accepted,
             dp=DataParallel(
                 index=args.dp_index,
                 local_rank=args.dp_local_rank,

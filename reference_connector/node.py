@@ -82,6 +82,7 @@ class NodeConfig:
     #: no chat template
     chat_template: bool = True
     auth_key: bytes | None = None  # §8.6: sign and check side-channel messages and registrations
+    accepted_keys: tuple[bytes, ...] = ()  # older keys still accepted (8.6-R16)
     prefill_delay: float = 0.0  # prefill: seconds a remote prefill pretends to compute
     #: prefill: the engine's place in a data-parallel deployment, which decides, without
     #: bootstrap_url, whether it serves the bootstrap server and where its workers register
@@ -180,7 +181,8 @@ class NodeEngine:
         if c.role == "prefill" and not self.bootstrap_url:
             port = c.bootstrap_port
             if c.dp.serves_bootstrap:
-                server = BootstrapServer(auth_key=c.auth_key)
+                keys = (c.auth_key, *c.accepted_keys) if c.auth_key is not None else None
+                server = BootstrapServer(auth_key=keys)
                 self._bootstrap = server.start(c.bootstrap_host, port)
                 port = self._bootstrap.port
             elif not port:
@@ -210,6 +212,7 @@ class NodeEngine:
                     receive_timeout=c.receive_timeout,
                     lease=c.kv_lease_duration,
                     auth_key=c.auth_key,
+                    accepted_keys=c.accepted_keys,
                 )
                 self.workers.append(WorkerHandle(spec, len(self.workers), self._on_event))
         try:

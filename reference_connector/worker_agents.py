@@ -145,6 +145,7 @@ class ReferenceAgent:
                     abort_timeout=s.abort_timeout,
                     lease=s.lease,
                     auth_key=s.auth_key,
+                    accepted_keys=s.accepted_keys,
                 )
                 self.producer = producer_agent(
                     config,
@@ -175,6 +176,7 @@ class ReferenceAgent:
                     receive_timeout=s.receive_timeout or s.abort_timeout + 60.0,  # 3.1-R8
                     lease=s.lease,
                     auth_key=s.auth_key,
+                    accepted_keys=s.accepted_keys,
                 )
                 self.consumer = consumer_agent(
                     d_config,

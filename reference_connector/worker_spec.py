@@ -39,6 +39,7 @@ class WorkerSpec:
     receive_timeout: float | None = None  # D, per pull; None = abort_timeout + 60 (3.1-R8)
     lease: float | None = None  # kv_lease_duration, P and D (§6.4); None = no lease
     auth_key: bytes | None = None  # the shared key of §8.6
+    accepted_keys: tuple[bytes, ...] = ()  # older keys still accepted (8.6-R16)
 
     @property
     def name(self) -> str:

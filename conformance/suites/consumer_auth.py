@@ -7,6 +7,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 
+import msgspec
+
 from pdwire import auth
 from pdwire.messages import XferResponseV2
 from pdwire.versions import Capability
@@ -45,27 +47,41 @@ async def pulls_are_signed(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/8.6/2",
     "8.6-R8",
-    covers=("8.6-R6", "8.6-R13"),
+    covers=("8.6-R6", "8.6-R13", "8.6-R16"),
 )
 async def reply_with_a_bad_tag_fails_the_request(t: ConsumerCtx) -> None:
     """A FINISH listing the request, its bytes written, fails the request when its `auth_tag`
-    is missing, is not the tag under the shared key, or does not cover the pull's tag (a reply
-    recorded on another pull): D does not trust the reply."""
+    is missing, is not the tag under the shared key, does not cover the pull's tag (a reply
+    recorded on another pull), or is right but the reply names no key by `auth_key_id`: D does
+    not trust the reply."""
     key = t.auth_key
     fake = await t.fake_p()
-    bad_tags: tuple[tuple[str, Callable[[XferResponseV2], bytes] | None], ...] = (
-        ("without auth_tag", None),
-        ("signed with another key", lambda reply: auth.tag(reply, b"other" + key)),
-        ("signed without the pull's tag", lambda reply: auth.tag(reply, key)),
+    other = b"other" + key
+    bad_tags: tuple[tuple[str, Callable[[XferResponseV2, bytes], XferResponseV2]], ...] = (
+        ("without auth_tag", lambda reply, pull_tag: reply),
+        ("with a wrong tag", lambda reply, pull_tag: _wrong_tag(reply, key, other, pull_tag)),
+        ("signed without the pull's tag", lambda reply, pull_tag: auth.sign(reply, key)),
+        ("naming no key by its id", lambda reply, pull_tag: _unnamed(reply, key, pull_tag)),
     )
-    for what, bad_tag in bad_tags:
+    for what, bad in bad_tags:
         leg = t.start(fake)
         rx = await t.pull_of(fake, leg)
         fake.write(rx)
         ok = [rx.d_req(leg.transfer_id)]
-        tag = None if bad_tag is None else bad_tag(fake.response(rx, ok=ok, auth_tag=None))
-        await fake.reply(rx, ok=ok, auth_tag=tag)
+        reply = bad(fake.response(rx, ok=ok, auth_tag=None), rx.auth_tag or b"")
+        await fake.reply(rx, ok=ok, auth_tag=reply.auth_tag, auth_key_id=reply.auth_key_id)
         t.expect_failed(await leg.result(), f"after a FINISH {what}")
+
+
+def _wrong_tag(reply: XferResponseV2, key: bytes, other: bytes, pull_tag: bytes) -> XferResponseV2:
+    """``reply`` naming ``key`` by its id, with the tag ``other`` makes."""
+    signed = auth.sign(reply, other, pull_tag)
+    return msgspec.structs.replace(signed, auth_key_id=auth.key_id(key))
+
+
+def _unnamed(reply: XferResponseV2, key: bytes, pull_tag: bytes) -> XferResponseV2:
+    """``reply`` with a right tag under ``key`` but no ``auth_key_id`` (8.6-R16)."""
+    return msgspec.structs.replace(reply, auth_tag=auth.tag(reply, key, pull_tag))
 
 
 @consumer_case("consumer/8.6/3", "8.6-R14", covers=("8.6-R5",))

@@ -173,6 +173,11 @@ def _own_registration(t: ProducerCtx) -> dict[str, Any]:
     return body
 
 
+def key_id(key: bytes) -> str:
+    """8.6-R15: the first 8 bytes of HMAC-SHA256("pdwire/2 key id"), in lower-case hex."""
+    return hmac.new(key, b"pdwire/2 key id", hashlib.sha256).digest()[:8].hex()
+
+
 def canonical_json(body: dict[str, Any]) -> bytes:
     """8.6-R11: sorted keys, no whitespace, non-ASCII as \\u escapes."""
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
@@ -205,14 +210,15 @@ async def keyed_bootstrap_refuses_unsigned_registrations(t: ProducerCtx) -> None
 @case(
     "producer/8.6/6",
     "8.6-R10",
-    covers=("8.6-R11",),
+    covers=("8.6-R11", "8.6-R15"),
 )
 async def keyed_bootstrap_accepts_a_signed_registration(t: ProducerCtx) -> None:
     """A registration signed as §8.6 says (lower-case hex HMAC-SHA256 of the canonical JSON of
-    the body less `auth_tag`), sent with its members in another order and with whitespace, is
-    accepted: P's own worker registered again, which changes nothing."""
+    the body less `auth_tag`, the key named by `auth_key_id`), sent with its members in another
+    order and with whitespace, is accepted: P's own worker registered again, which changes
+    nothing."""
     key = t.auth_key
-    body = _own_registration(t)
+    body = {**_own_registration(t), "auth_key_id": key_id(key)}
     body["auth_tag"] = hmac.new(key, canonical_json(body), hashlib.sha256).hexdigest()
     raw = json.dumps(dict(reversed(list(body.items()))), indent=1)
     got = await request(
@@ -289,3 +295,18 @@ async def map_keys_are_signed_sorted(t: ProducerCtx) -> None:
         for w, blocks in taken.items():
             for b in blocks:
                 w.give_back(b)
+
+
+@case("producer/8.6/9", "8.6-R16", covers=("8.6-R15", "8.6-R7"))
+async def pull_naming_no_key_is_refused(t: ProducerCtx) -> None:
+    """A pull whose tag is right under the shared key but which names no key by its
+    `auth_key_id` (none at all, or an id of no key P holds) is refused with `AUTH_FAILED` and
+    not acted on; signed pulls of the same transfer are then served."""
+    key = t.auth_key
+    for what, key_id in (("without auth_key_id", None), ("naming an unknown key", "0" * 16)):
+
+        def named(msg: Any, key_id: str | None = key_id) -> Any:
+            unsigned = msgspec.structs.replace(msg, auth_key_id=key_id, auth_tag=None)
+            return msgspec.structs.replace(unsigned, auth_tag=auth.tag(unsigned, key))
+
+        await _refused_then_served(t, named, f"the pull {what}")

@@ -32,6 +32,9 @@ key                          default                what it sets
                                                     carry an HMAC tag; pdwire/2 only
                                                     (``ProducerConfig.auth_key``,
                                                     ``ConsumerConfig.auth_key``)
+``accepted_key_files``       ``[]``                 files of older keys still accepted from
+                                                    peers and registrations while a key is
+                                                    rotated (8.6-R16; ``accepted_keys``)
 ``num_workers``              10                     P: batch writes that may run at once
 ``kv_lease_duration``        unset (no lease)       vLLM 0.34's lease, seconds: P holds a
                                                     finished request's blocks this long and
@@ -76,6 +79,7 @@ KEYS: Final = frozenset(
         "deadline",
         "bootstrap_timeout",
         "auth_key_file",
+        "accepted_key_files",
         "num_workers",
         "kv_lease_duration",
     }
@@ -137,14 +141,28 @@ def _auth_key(extra: Mapping[str, Any], profile: Profile) -> bytes | None:
     path = extra.get("auth_key_file")
     if path is None:
         return None
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"kv_connector_extra_config.auth_key_file must be a path: {path!r}")
     if profile != PDWIRE_2:
         raise ConfigError("kv_connector_extra_config.auth_key_file needs profile pdwire/2")
+    return _key_in(path, "auth_key_file")
+
+
+def _accepted_keys(extra: Mapping[str, Any], key: bytes | None) -> tuple[bytes, ...]:
+    paths = extra.get("accepted_key_files", [])
+    name = "accepted_key_files"
+    if not isinstance(paths, list):
+        raise ConfigError(f"kv_connector_extra_config.{name} must be a list of paths: {paths!r}")
+    if paths and key is None:
+        raise ConfigError(f"kv_connector_extra_config.{name} needs auth_key_file")
+    return tuple(_key_in(path, name) for path in paths)
+
+
+def _key_in(path: object, name: str) -> bytes:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"kv_connector_extra_config.{name} must be a path: {path!r}")
     try:
         return read_key_file(path)
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"kv_connector_extra_config.auth_key_file: {exc}") from exc
+        raise ConfigError(f"kv_connector_extra_config.{name}: {exc}") from exc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +180,7 @@ class Settings:
     deadline: float = LOAD_DEADLINE
     bootstrap_timeout: float = DEFAULT_BOOTSTRAP_TIMEOUT
     auth_key: bytes | None = None
+    accepted_keys: tuple[bytes, ...] = ()
     num_workers: int = 10
     lease: float | None = None
 
@@ -184,6 +203,7 @@ class Settings:
         )
         address = extra.get("bootstrap_server_address")
         workers = extra.get("num_workers", 10)
+        key = _auth_key(extra, profile)
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(
                 f"kv_connector_extra_config.num_workers must be a positive integer: {workers!r}"
@@ -203,7 +223,8 @@ class Settings:
                 "bootstrap_timeout",
                 _env_float("VLLM_MOONCAKE_CONNECTOR_TIMEOUT", DEFAULT_BOOTSTRAP_TIMEOUT),
             ),
-            auth_key=_auth_key(extra, profile),
+            auth_key=key,
+            accepted_keys=_accepted_keys(extra, key),
             num_workers=workers,
             lease=_lease(extra),
         )

@@ -72,7 +72,8 @@ class PdwireWorker:
         self._stats_before: dict[str, Any] = {}
         if self.produces and owns_bootstrap(vllm_config, settings, self.position):
             key = settings.auth_key if settings.profile == PDWIRE_2 else None
-            self.bootstrap = BootstrapServer(auth_key=key).start(
+            keys = (key, *settings.accepted_keys) if key is not None else None
+            self.bootstrap = BootstrapServer(auth_key=keys).start(
                 settings.bootstrap_host, settings.bootstrap_port
             )
             logger.info(
@@ -113,6 +114,7 @@ class PdwireWorker:
                 deadline=s.deadline,
                 lease=s.lease,
                 auth_key=s.auth_key,
+                accepted_keys=s.accepted_keys,
             )
             self.consumer = ConsumerAgent(
                 config,
@@ -132,6 +134,7 @@ class PdwireWorker:
                     abort_timeout=s.abort_timeout,
                     lease=s.lease,
                     auth_key=s.auth_key,
+                    accepted_keys=s.accepted_keys,
                 ),
                 self.transport,
                 bootstrap_url=bootstrap_url(self._vllm_config, s),

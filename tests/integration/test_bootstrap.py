@@ -22,7 +22,7 @@ import pytest
 
 from conformance.ports import free_port
 from pdwire import error_strings as es
-from pdwire.auth import canonical_json, register_tag
+from pdwire.auth import canonical_json, key_id, register_tag, sign_registration
 from pdwire.http_models import QueryResponse, RegisterWorkerPayload
 from pdwire.messages import Fingerprint
 from reference_connector import cli_bootstrap
@@ -288,10 +288,24 @@ async def test_auth_signed_registration_is_accepted(make_server: ServerFactory) 
     reply = await register(server.url, worker(**v2(pdwire_caps=["auth"])), auth_key=KEY)
     assert reply.dump() == {"status": "ok", "pdwire_version": 2}
     # the tag covers the members as sent, unknown ones included
-    body = {**worker(0, 1, 0).dump(), "extra": "é"}
-    body["auth_tag"] = register_tag(body, KEY)
+    body = sign_registration({**worker(0, 1, 0).dump(), "extra": "é"}, KEY)
+    assert body["auth_key_id"] == key_id(KEY)
     with httpx.Client(base_url=server.url, timeout=WAIT) as http:
         assert post(http, body).status_code == 200
+
+
+def test_auth_keys_rotate_by_id(make_server: ServerFactory) -> None:
+    """8.6-R15/R16: a server holding a new and an old key accepts a registration signed with
+    either, and refuses one that names no key by its id, though its tag is right."""
+    new, old = b"new key", b"old key"
+    server = make_server(auth_key=(new, old))
+    with httpx.Client(base_url=server.url, timeout=WAIT) as http:
+        for rank, key in enumerate((new, old)):
+            assert post(http, signed_body(worker(0, rank, 0, **v2()), key)).status_code == 200
+        unnamed = {k: v for k, v in signed_body(worker(0, 2, 0, **v2()), old).items()}
+        del unnamed["auth_key_id"], unnamed["auth_tag"]
+        unnamed["auth_tag"] = register_tag(unnamed, old)
+        assert post(http, unnamed).status_code == 401
 
 
 # -- client retry and backoff ---------------------------------------------------------------
@@ -435,7 +449,9 @@ def test_cli_help_describes_the_command(capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_rejects_an_empty_key_file(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_bytes(b"\n")
-    args = argparse.Namespace(host="127.0.0.1", port=0, auth_key_file=str(key_file), legacy=False)
+    args = argparse.Namespace(
+        host="127.0.0.1", port=0, auth_key_file=str(key_file), accept_key_file=[], legacy=False
+    )
     assert cli_bootstrap.run(args) == cli_bootstrap.EXIT_USAGE
 
 

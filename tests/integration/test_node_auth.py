@@ -16,22 +16,27 @@ import httpx
 import pytest
 
 from pdwire import error_strings
+from pdwire.auth import key_id
 from reference_connector.node import NodeConfig
 from reference_connector.node_api import NodeServer
 
 from .test_node import SHAPE, Cluster, probe, started
 
 KEY = b"a key shared out of band"
+NEW_KEY = b"the key that replaces it"
 ABORT_S = 2.0
-NODES: dict[str, tuple[str, bytes | None]] = {
-    "p": ("prefill", KEY),
-    "d": ("decode", KEY),
-    "d_nokey": ("decode", None),
-    "d_otherkey": ("decode", b"another key"),
+NODES: dict[str, tuple[str, bytes | None, tuple[bytes, ...]]] = {
+    "p": ("prefill", KEY, ()),
+    "d": ("decode", KEY, ()),
+    "d_nokey": ("decode", None, ()),
+    "d_otherkey": ("decode", b"another key", ()),
+    # A rotation half done (8.6-R16): P signs with the new key and still accepts the old one.
+    "p_new": ("prefill", NEW_KEY, (KEY,)),
+    "d_both": ("decode", KEY, (NEW_KEY,)),
 }
 
 
-def _start(role: str, key: bytes | None) -> NodeServer:
+def _start(role: str, key: bytes | None, accepted: tuple[bytes, ...]) -> NodeServer:
     config = NodeConfig(
         role="prefill" if role == "prefill" else "decode",
         shape=SHAPE,
@@ -39,6 +44,7 @@ def _start(role: str, key: bytes | None) -> NodeServer:
         load_timeout=20.0,
         abort_timeout=ABORT_S,
         auth_key=key,
+        accepted_keys=accepted,
     )
     return NodeServer(config).start()
 
@@ -69,8 +75,12 @@ def test_same_key_loads_and_verifies(cluster: Cluster) -> None:
     ("d", "why"),
     [
         ("d_nokey", f"AUTH_FAILED: {error_strings.AUTH_FAILED}"),
-        # P's signed ERROR does not verify under D's key either (8.6-R8)
-        ("d_otherkey", "BAD_MESSAGE: transfer failed: auth_tag does not match (spec §8.6)"),
+        # P's signed ERROR names a key D does not hold (8.6-R8, 8.6-R16)
+        (
+            "d_otherkey",
+            f"BAD_MESSAGE: transfer failed: auth_key_id '{key_id(KEY)}' names no key held "
+            "(spec §8.6)",
+        ),
     ],
 )
 def test_unsigned_or_wrongly_signed_pull_fails_at_once(cluster: Cluster, d: str, why: str) -> None:
@@ -88,6 +98,18 @@ def test_unsigned_or_wrongly_signed_pull_fails_at_once(cluster: Cluster, d: str,
     assert message == f"KV load failed: {why}", message
     assert took < ABORT_S
     assert _p_drains(cluster, ABORT_S + 5.0) == 0
+
+
+def test_keys_rotate(cluster: Cluster) -> None:
+    """8.6-R15/R16: a P that signs with a new key and accepts the old one serves a D that signs
+    with the old key and accepts the new one; a D that holds only the old key rejects P's reply,
+    which names a key it does not hold."""
+    prompt = probe(stop=False)
+    _, d_reply = cluster.disaggregated("p_new", "d_both", prompt)
+    assert d_reply.status_code == 200 and d_reply.json()["pdwire"]["verified"] is True
+    _, d_reply = cluster.disaggregated("p_new", "d", prompt)
+    assert d_reply.status_code == 500
+    assert "names no key held" in d_reply.json()["message"], d_reply.text
 
 
 def test_keyed_bootstrap_refuses_an_unsigned_registration(cluster: Cluster) -> None:
@@ -119,3 +141,5 @@ def test_cli_refuses_a_key_with_the_legacy_profile(tmp_path: Path) -> None:
     empty.write_bytes(b"\n")
     out = _node_cli("--auth-key-file", str(empty))
     assert out.returncode == 2 and "auth key file is empty" in out.stderr
+    out = _node_cli("--accept-key-file", str(key))
+    assert out.returncode == 2 and "--accept-key-file needs --auth-key-file" in out.stderr

@@ -102,6 +102,20 @@ def test_auth_key_file(tmp_path: Path) -> None:
         Settings.from_extra_config({"auth_key_file": str(key)})
 
 
+def test_accepted_key_files(tmp_path: Path) -> None:
+    """8.6-R16: older keys accepted while keys are rotated; only beside auth_key_file."""
+    key, old = tmp_path / "key", tmp_path / "old"
+    key.write_bytes(b"new\n")
+    old.write_bytes(b"old\n")
+    both = {"auth_key_file": str(key), "accepted_key_files": [str(old)]}
+    settings = Settings.from_extra_config(both)
+    assert (settings.auth_key, settings.accepted_keys) == (b"new", (b"old",))
+    with pytest.raises(ConfigError, match="needs auth_key_file"):
+        Settings.from_extra_config({"accepted_key_files": [str(old)]})
+    with pytest.raises(ConfigError, match="list of paths"):
+        Settings.from_extra_config({**both, "accepted_key_files": str(old)})
+
+
 def _documented(text: str) -> set[str]:
     return set(re.findall(r"``?([a-z_]+)``?", text)) & config.KEYS
 
