@@ -123,6 +123,24 @@ def _reuses_client_transfer_id() -> None:
 
 
 @mutant(
+    "proxy-transfer-id-from-request-id",
+    "proxy",
+    "mints each transfer_id as xfer- and the request's X-Request-Id",
+    cases=("proxy/5.4/18",),
+)
+def _transfer_id_from_request_id() -> None:
+    from reference_connector import proxy
+
+    route = proxy.Proxy._route
+
+    def from_request_id(self: proxy.Proxy, path: str, request_id: str | None) -> proxy._Legs:
+        legs = route(self, path, request_id)
+        return dataclasses.replace(legs, transfer_id=f"xfer-{legs.request_id}")
+
+    replace(proxy.Proxy, "_route", from_request_id)
+
+
+@mutant(
     "proxy-merges-client-params",
     "proxy",
     "merges the client's kv_transfer_params (internal _ keys included) into both legs'",

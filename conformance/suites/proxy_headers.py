@@ -33,6 +33,30 @@ async def same_request_id_on_both_legs(t: ProxyCtx) -> None:
 
 
 @case(
+    "proxy/5.4/18",
+    "5.4-R17",
+)
+async def transfer_id_not_from_request_id(t: ProxyCtx) -> None:
+    """Neither leg's transfer_id holds the X-Request-Id of the request, whether the client
+    sent one or the proxy minted it: a client sees that header, and must not learn from it a
+    transfer_id that lets it pull or cancel another's KV."""
+    theirs = str(uuid.uuid4())
+    for headers in ({"X-Request-Id": theirs}, None):
+        body = t.body()
+        reply = await t.complete(body, headers=headers)
+        expect(reply.status == 200, f"the proxy answered {reply.describe()}, not D's HTTP 200")
+        p, d = await t.legs(body)
+        rids = {theirs, p.headers.get("x-request-id"), d.headers.get("x-request-id")} - {None}
+        for leg, hit in (("P", p), ("D", d)):
+            tid = str(hit.params.get("transfer_id"))
+            for rid in rids:
+                expect(
+                    str(rid).lower() not in tid.lower(),
+                    f"the {leg} leg's transfer_id {tid} holds the X-Request-Id {rid}",
+                )
+
+
+@case(
     "proxy/5.4/9",
     "5.4-R9",
 )
