@@ -206,3 +206,13 @@ def _no_size_limit() -> None:
 )
 def _payload_past_stride() -> None:
     replace(codec, "_payload_past_stride", lambda m: None)
+
+
+@mutant(
+    "two-kinds-as-a-pull",
+    "prefill",
+    "takes a message that decodes as a pull as one, whatever other kind's key it carries",
+    cases=("producer/3.1/4",),
+)
+def _two_kinds_as_a_pull() -> None:
+    replace(producer_module, "_OTHER_KEYS", ())

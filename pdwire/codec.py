@@ -194,32 +194,53 @@ def decode_heartbeat(
 
 
 #: Each kind by the key that tells it apart (3.1-R7), in the order they are looked for.
-_KIND_KEYS: Final = (
-    ("cancel_reqs", "cancel"),
-    ("lease_transfer_ids", "heartbeat"),
-    ("req_blocks", "pull"),
-    ("status", "response"),
-)
+#: The kinds of message D sends, by their discriminator keys (§12.3).
+REQUEST_KINDS: Final = {
+    "req_blocks": "pull",
+    "cancel_reqs": "cancel",
+    "lease_transfer_ids": "heartbeat",
+}
 
 
 def detect_kind(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> str:
-    """Which message ``data`` holds, from its keys: ``pull``, ``response``, ``cancel`` or
-    ``heartbeat``."""
+    """Which message ``data`` holds, from its keys: ``pull``, ``cancel`` or ``heartbeat`` by the
+    one discriminator key it carries (3.1-R7), else ``response`` when it has a ``status``."""
     obj = _decode(_any_decoder, data, max_size, "message")
     if not isinstance(obj, dict):
         raise DecodeError(
             f"expected a map, got {type(obj).__name__}", section=sections.ENCODING, kind="message"
         )
-    for key, kind in _KIND_KEYS:
-        if key in obj:
-            return kind
+    if "status" in obj and not REQUEST_KINDS.keys() & obj.keys():
+        return "response"
+    return _request_kind(obj)
+
+
+def _request_kind(obj: dict[Any, Any]) -> str:
+    kinds = [kind for key, kind in REQUEST_KINDS.items() if key in obj]
+    if len(kinds) == 1:
+        return kinds[0]
+    keys = ", ".join(REQUEST_KINDS)
+    found = "none" if not kinds else "those of " + " and ".join(kinds)
     raise DecodeError(
-        "not a side-channel message: none of the keys " + ", ".join(key for key, _ in _KIND_KEYS),
-        section=sections.ENCODING,
+        f"a message carries exactly one of the keys {keys}; this one carries {found}",
+        section=sections.TRANSPORT,
         kind="message",
     )
+
+
+def decode_request(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> tuple[str, XferMetadataV2 | XferCancel | LeaseHeartbeat]:
+    """A message D sent, of the kind its one discriminator key names (3.1-R7), decoded."""
+    obj = _decode(_any_decoder, data, max_size, "message")
+    if not isinstance(obj, dict):
+        raise DecodeError(
+            f"expected a map, got {type(obj).__name__}", section=sections.ENCODING, kind="message"
+        )
+    kind = _request_kind(obj)
+    return kind, DECODERS[kind](data, max_size=max_size)
 
 
 def decode_message(

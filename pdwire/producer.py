@@ -15,7 +15,7 @@ import msgspec
 
 from . import auth, sections
 from . import error_strings as msgs
-from .codec import decode_cancel, decode_heartbeat, decode_pull, encode_response
+from .codec import decode_pull, decode_request, encode_response
 from .errors import DecodeError, LocalProtocolError, RemoteProtocolError
 from .events import (
     FreeBlocks,
@@ -58,8 +58,8 @@ ABORT_REQUEST_TIMEOUT: Final = 480.0
 MAX_PEER_LAYOUTS: Final = 1024
 _CANCEL_KEY: Final = b"\xabcancel_reqs"  # the key as msgpack writes it: fixstr of 11 bytes
 _LEASE_KEY: Final = b"\xb2lease_transfer_ids"  # fixstr of 18 bytes
-#: The messages that are not pulls, by their key (3.1-R7), and their decoders.
-_OTHER_KINDS: Final = ((_LEASE_KEY, decode_heartbeat), (_CANCEL_KEY, decode_cancel))
+#: The discriminator keys of the kinds other than the pull (3.1-R7), as msgpack writes them.
+_OTHER_KEYS: Final = (_LEASE_KEY, _CANCEL_KEY)
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 
@@ -334,32 +334,26 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
     # -- messages ----------------------------------------------------------------------------
 
     def _on_message(self, ev: MessageReceived, now: float) -> None:
-        """A pull, a heartbeat or a cancel, told apart by their keys (3.1-R7). Pulls are the
-        common case, so they are decoded first and the keys are looked for only when that
-        fails."""
+        """A pull, a heartbeat or a cancel, told apart by the one discriminator key each
+        carries (3.1-R7). Pulls are the common case: a message in which neither of the other
+        kinds' keys occurs is decoded as a pull straight away."""
         limit = self.config.max_message_bytes
         try:
-            pull = decode_pull(ev.data, max_size=limit)
+            if any(key in ev.data for key in _OTHER_KEYS):
+                msg = decode_request(ev.data, max_size=limit)[1]
+            else:
+                msg = decode_pull(ev.data, max_size=limit)
         except DecodeError as exc:
-            error = exc
-            for key, decode in _OTHER_KINDS:
-                if key not in ev.data:
-                    continue
-                try:
-                    msg = decode(ev.data, max_size=limit)
-                except DecodeError as other_error:
-                    error = other_error
-                    break
-                if isinstance(msg, LeaseHeartbeat):
-                    self._on_heartbeat(ev, msg, now)
-                else:
-                    self._on_cancel(ev, msg, now)
-                return
             self._reply_error(
-                ev.identity, self._announced(ev.data), ErrorCode.BAD_MESSAGE, str(error)
+                ev.identity, self._announced(ev.data), ErrorCode.BAD_MESSAGE, str(exc)
             )
             return
-        self._on_pull(ev.identity, pull, now)
+        if isinstance(msg, LeaseHeartbeat):
+            self._on_heartbeat(ev, msg, now)
+        elif isinstance(msg, XferCancel):
+            self._on_cancel(ev, msg, now)
+        else:
+            self._on_pull(ev.identity, msg, now)
 
     def _announced(self, data: bytes) -> Agreement | None:
         """What a frame that did not decode announced, if its top level says pdwire/2: such a

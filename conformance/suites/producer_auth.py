@@ -41,21 +41,6 @@ def _expect_untouched(worker: DWorker, blocks: list[int], what: str) -> None:
     )
 
 
-async def _serve_signed(t: ProducerCtx, tid: str) -> None:
-    """Every D worker pulls ``tid`` with signed pulls; each is served (P did not act on what
-    it refused before)."""
-    d_req = t.new_d_req()
-    taken = {w: w.take(t.blocks_for()) for w in t.d_workers()}
-    try:
-        for w, blocks in taken.items():
-            for _, addr, r in await t.pull_to_targets(w, tid, d_req, blocks, announce=True):
-                t.expect_ok(w, addr, r, d_req)
-            t.expect_written(w, blocks)
-    finally:
-        for w, blocks in taken.items():
-            w.give_back(blocks)
-
-
 async def _refused_then_served(t: ProducerCtx, tamper: Any, what: str) -> None:
     """A pull of a ready transfer, signed by ``tamper(msg)`` (unsigned: the message as it is),
     is refused with AUTH_FAILED and not acted on; signed pulls of it are then served."""
@@ -71,7 +56,7 @@ async def _refused_then_served(t: ProducerCtx, tamper: Any, what: str) -> None:
         _expect_untouched(worker, blocks, what)
     finally:
         worker.give_back(blocks)
-    await _serve_signed(t, tid)
+    await t.serve_ready(tid)
 
 
 @case(
@@ -150,7 +135,7 @@ async def unsigned_cancel_is_refused_and_not_acted_on(t: ProducerCtx) -> None:
     worker = t.d_workers()[0]
     got = await t.cancel(worker, t.targets(worker)[0], {t.new_d_req(): tid}, signed=False)
     _expect_auth_failed(got, "the unsigned cancel")
-    await _serve_signed(t, tid)
+    await t.serve_ready(tid)
 
 
 async def _register(t: ProducerCtx, body: dict[str, Any]) -> Any:
@@ -265,7 +250,7 @@ async def keyed_p_refuses_a_legacy_pull(t: ProducerCtx) -> None:
         _expect_untouched(worker, blocks, what)
     finally:
         worker.give_back(blocks)
-    await _serve_signed(t, tid)
+    await t.serve_ready(tid)
 
 
 @case("producer/8.6/8", "8.6-R2", covers=("8.6-R6",))

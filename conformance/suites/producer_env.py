@@ -477,6 +477,20 @@ class ProducerCtx:
         )
         return [(worker, a, r) for a, r in zip(addrs, results, strict=True)]
 
+    async def serve_ready(self, tid: str) -> None:
+        """Every D worker pulls the ready transfer ``tid`` (announcing; signed when the run has
+        a key), and each pull is served: P did not act on what it refused before."""
+        d_req = self.new_d_req()
+        taken = {w: w.take(self.blocks_for()) for w in self.d_workers()}
+        try:
+            for w, blocks in taken.items():
+                for _, addr, r in await self.pull_to_targets(w, tid, d_req, blocks, announce=True):
+                    self.expect_ok(w, addr, r, d_req)
+                self.expect_written(w, blocks)
+        finally:
+            for w, blocks in taken.items():
+                w.give_back(blocks)
+
     async def cancel(
         self,
         worker: DWorker,

@@ -534,3 +534,35 @@ async def deadline_ms_is_honoured(t: ProducerCtx) -> None:
     expect_equal((r.terminal.err_codes or {}).get(d_req), "DEADLINE_EXCEEDED", "err_codes")
     took = r.replies[-1].t
     expect(deadline * 0.9 <= took <= deadline + SLACK, f"ended after {took:.2f}s")
+
+
+@case("producer/3.1/4", "3.1-R7", covers=("12.3-R1",))
+async def two_kinds_in_one_message_are_refused(t: ProducerCtx) -> None:
+    """A pull of a ready transfer that also carries the discriminator key of a cancel, or of a
+    lease renewal, is of no one kind: P answers ERROR BAD_MESSAGE and acts on neither, and the
+    transfer is then served to plain pulls."""
+    t.require_pdwire2()
+    (tid,) = await t.ready()
+    worker = t.d_workers()[0]
+    blocks = worker.take(t.blocks_for())
+    try:
+        pull = t.pull_map(worker, {t.new_d_req(): (tid, [blocks])}, announce=True)
+        mixed = {
+            "a cancel": {**pull, "cancel_reqs": {t.new_d_req(): tid}},
+            "a lease renewal": {**pull, "lease_transfer_ids": [tid]},
+        }
+        for what, msg in mixed.items():
+            r = await t.send(t.targets(worker)[0], msgspec.msgpack.encode(msg), linger_after=0.2)
+            expect(
+                len(r.replies) == 1 and r.status is ERROR,
+                f"a pull with the key of {what}: expected one ERROR reply, got {r.describe()}",
+            )
+            assert r.terminal is not None
+            expect_equal(r.terminal.err_code, "BAD_MESSAGE", f"a pull with the key of {what}")
+        expect(
+            len(worker.unwritten([blocks[0]])) == len(worker.regions),
+            "P wrote the blocks of a message that is no one kind",
+        )
+    finally:
+        worker.give_back(blocks)
+    await t.serve_ready(tid)

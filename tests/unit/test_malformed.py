@@ -268,8 +268,16 @@ def _cancel_cases() -> list[Any]:
 
 
 DETECT_CASES = [
-    pytest.param("message", enc({"foo": 1}), "$", "2", {}, id="message-no-known-key"),
-    pytest.param("message", enc({}), "$", "2", {}, id="message-empty-map"),
+    pytest.param("message", enc({"foo": 1}), "$", "3.1", {}, id="message-no-known-key"),
+    pytest.param("message", enc({}), "$", "3.1", {}, id="message-empty-map"),
+    pytest.param(
+        "message",
+        enc({"req_blocks": {}, "cancel_reqs": {}}),
+        "$",
+        "3.1",
+        {},
+        id="message-two-kinds",
+    ),
 ]
 
 
