@@ -79,6 +79,8 @@ class ConsumerRun:
         self.r = r
         d_side, pp_rank = world.side(r, 1000)
         self.profile = r.choice((PDWIRE_2, PDWIRE_2, LEGACY))
+        caps, fingerprint = world.caps(r), r.choice((None, world.FP))
+        layout_id, key = r.choice((0, 0x11)), r.choice((None, None, world.KEY))
         self.session = ConsumerSession(
             ConsumerConfig(
                 hostname="d0",
@@ -86,10 +88,10 @@ class ConsumerRun:
                 side=d_side,
                 pp_rank=pp_rank,
                 profile=self.profile,
-                caps=world.caps(r),
-                fingerprint=r.choice((None, world.FP)),
-                layout_id=r.choice((0, 0x11)),
-                auth_key=r.choice((None, None, world.KEY)),
+                caps=caps,
+                fingerprint=fingerprint,
+                layout_id=layout_id,
+                auth_key=key if self.profile == PDWIRE_2 else None,  # 8.6-R14
             )
         )
         self.now = 0.0

@@ -60,13 +60,16 @@ class ProducerRun:
     def __init__(self, r: Reader) -> None:
         self.r = r
         p_side, _ = world.side(r, 0)
+        profile = r.choice((PDWIRE_2, PDWIRE_2, LEGACY))
+        caps, fingerprint = world.caps(r), r.choice((None, world.FP))
+        key = r.choice((None, None, world.KEY))
         self.session = ProducerSession(
             ProducerConfig(
                 side=p_side,
-                profile=r.choice((PDWIRE_2, PDWIRE_2, LEGACY)),
-                caps=world.caps(r),
-                fingerprint=r.choice((None, world.FP)),
-                auth_key=r.choice((None, None, world.KEY)),
+                profile=profile,
+                caps=caps,
+                fingerprint=fingerprint,
+                auth_key=key if profile == PDWIRE_2 else None,  # 8.6-R14
             )
         )
         self.peers = [
