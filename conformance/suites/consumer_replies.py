@@ -212,7 +212,7 @@ async def err_msg_decides_nothing(t: ConsumerCtx) -> None:
 @consumer_case(
     "consumer/3.4/5",
     "3.4-R11",
-    covers=("3.4-R12", "7.2-R1"),
+    covers=("7.2-R1",),
 )
 async def code_of_a_failed_request(t: ConsumerCtx) -> None:
     """A pdwire/2 D takes a failed request's code from err_codes before err_code, and a code it

@@ -48,7 +48,7 @@ async def pulls_are_one_frame_on_a_new_socket(t: PairCtx) -> None:
 @case(
     "pair/3.4/1",
     "3.4-R14",
-    covers=("3.4-R15", "3.3-R2", "8.4-R5", "7.3-R1", "2.1-R1", "3.4-R26", "3.4-R3"),
+    covers=("3.4-R15", "3.3-R2", "8.4-R5", "7.3-R1", "2.1-R1", "3.4-R26", "3.4-R3", "12.4-R1"),
 )
 async def one_terminal_reply_per_pull(t: PairCtx) -> None:
     """P ends every pull with exactly one terminal reply and sends nothing after it; every
@@ -69,7 +69,7 @@ async def one_terminal_reply_per_pull(t: PairCtx) -> None:
 @case(
     "pair/3.4/2",
     "3.4-R16",
-    covers=("3.4-R17", "3.4-R18", "3.2-R6", "10.11.13"),
+    covers=("3.4-R17", "3.4-R18", "3.2-R6"),
 )
 async def each_request_listed_once(t: PairCtx) -> None:
     """Over the replies of each pull, P lists every request of the pull exactly once (by its

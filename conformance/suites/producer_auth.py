@@ -170,7 +170,7 @@ def canonical_json(body: dict[str, Any]) -> bytes:
 
 @case(
     "producer/8.6/5",
-    "8.6-R12",
+    "8.6-R16",
     covers=("4.1-R16",),
 )
 async def keyed_bootstrap_refuses_unsigned_registrations(t: ProducerCtx) -> None:

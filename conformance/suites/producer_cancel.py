@@ -58,7 +58,7 @@ async def cancel_ends_a_waiting_pull(t: ProducerCtx) -> None:
 @case(
     "producer/3.5/2",
     "3.5-R15",
-    covers=("3.5-R14", "10.3.5", "3.5-R9"),
+    covers=("3.5-R14", "3.5-R9"),
 )
 async def cancel_counts_as_settled(t: ProducerCtx) -> None:
     """With D's TP twice P's, one paired D rank pulls and the other cancels: the transfer is

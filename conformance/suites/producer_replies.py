@@ -64,7 +64,7 @@ async def one_terminal_reply(t: ProducerCtx) -> None:
 @case(
     "producer/10.5/1",
     "10.5.6",
-    covers=("10.5.1", "3.4-R16", "3.4-R17", "10.11.13", "3.1-R6", "10.4.6"),
+    covers=("10.5.1", "3.4-R16", "3.4-R17", "3.1-R6", "10.4.6"),
 )
 async def continue_then_finish(t: ProducerCtx) -> None:
     """One pull names two transfers: the one ready first is served in a CONTINUE while the other
