@@ -41,10 +41,11 @@ def key_id(key: bytes) -> str:
 
 def key_named(keys: Keys, wanted: object) -> bytes | None:
     """The one of ``keys`` whose id is ``wanted``, if any (8.6-R16)."""
-    for key in (keys,) if isinstance(keys, bytes) else keys:
-        if isinstance(wanted, str) and hmac.compare_digest(key_id(key), wanted):
-            return key
-    return None
+    if not isinstance(wanted, str):
+        return None
+    ring = (keys,) if isinstance(keys, bytes) else keys
+    want = wanted.encode()  # compare_digest takes no non-ASCII str
+    return next((k for k in ring if hmac.compare_digest(key_id(k).encode(), want)), None)
 
 
 def canonical_json(payload: dict[str, Any]) -> bytes:

@@ -193,7 +193,6 @@ def decode_heartbeat(
     return _decode_checked(_heartbeat_decoder, _check_heartbeat, data, max_size, "heartbeat")
 
 
-#: Each kind by the key that tells it apart (3.1-R7), in the order they are looked for.
 #: The kinds of message D sends, by their discriminator keys (§12.3).
 REQUEST_KINDS: Final = {
     "req_blocks": "pull",
@@ -207,11 +206,7 @@ def detect_kind(
 ) -> str:
     """Which message ``data`` holds, from its keys: ``pull``, ``cancel`` or ``heartbeat`` by the
     one discriminator key it carries (3.1-R7), else ``response`` when it has a ``status``."""
-    obj = _decode(_any_decoder, data, max_size, "message")
-    if not isinstance(obj, dict):
-        raise DecodeError(
-            f"expected a map, got {type(obj).__name__}", section=sections.ENCODING, kind="message"
-        )
+    obj = _top_level(data, max_size)
     if "status" in obj and not REQUEST_KINDS.keys() & obj.keys():
         return "response"
     return _request_kind(obj)
@@ -234,13 +229,17 @@ def decode_request(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> tuple[str, XferMetadataV2 | XferCancel | LeaseHeartbeat]:
     """A message D sent, of the kind its one discriminator key names (3.1-R7), decoded."""
+    kind = _request_kind(_top_level(data, max_size))
+    return kind, DECODERS[kind](data, max_size=max_size)
+
+
+def _top_level(data: bytes | bytearray | memoryview, max_size: int) -> dict[Any, Any]:
     obj = _decode(_any_decoder, data, max_size, "message")
     if not isinstance(obj, dict):
         raise DecodeError(
             f"expected a map, got {type(obj).__name__}", section=sections.ENCODING, kind="message"
         )
-    kind = _request_kind(obj)
-    return kind, DECODERS[kind](data, max_size=max_size)
+    return obj
 
 
 def decode_message(

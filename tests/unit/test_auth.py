@@ -26,6 +26,7 @@ from pdwire import (
     sign,
     verify,
 )
+from pdwire.auth import key_id, tag
 
 from .conftest import cancels, non_default_fields, pulls_v2, responses_v2
 
@@ -175,6 +176,52 @@ def test_a_message_without_tag_fails_verification(kind: str) -> None:
     with pytest.raises(RemoteProtocolError) as info:
         verify(msg, KEY)
     assert info.value.section == "8.6"
+
+
+@pytest.mark.parametrize("kind", list(MESSAGES))
+@pytest.mark.parametrize("named", [None, "", "é" * 16, "0" * 16, 7])
+def test_a_message_naming_no_held_key_fails_verification(kind: str, named: Any) -> None:
+    """8.6-R16: an absent, unknown or malformed auth_key_id is refused like a wrong tag, even
+    when the tag itself is right under the key."""
+    msg, _, _ = MESSAGES[kind]
+    unnamed = msgspec.structs.replace(msg, auth_key_id=named, auth_tag=None)
+    wrongly_named = msgspec.structs.replace(unnamed, auth_tag=tag(unnamed, KEY))
+    with pytest.raises(RemoteProtocolError) as info:
+        verify(wrongly_named, KEY)
+    assert info.value.section == "8.6"
+
+
+@pytest.mark.parametrize("kind", list(MESSAGES))
+def test_keys_rotate(kind: str) -> None:
+    """8.6-R15/R16: a receiver holding several keys verifies with the one the message names."""
+    msg, _, _ = MESSAGES[kind]
+    for signer in (KEY, OTHER_KEY):
+        signed = sign(msg, signer)
+        assert signed.auth_key_id == key_id(signer) and len(key_id(signer)) == 16
+        verify(signed, (OTHER_KEY, KEY))
+    with pytest.raises(RemoteProtocolError):
+        verify(sign(msg, OTHER_KEY), (KEY,))
+
+
+def test_a_reply_is_bound_to_the_message_it_answers() -> None:
+    """8.6-R13: a reply signed for one pull's tag fails against another's, and without one."""
+    reply = MESSAGES["response"][0]
+    first, second = (sign(MESSAGES["pull"][0], k).auth_tag for k in (KEY, OTHER_KEY))
+    signed = sign(reply, KEY, first)
+    verify(signed, KEY, first)
+    for other in (second, None):
+        with pytest.raises(RemoteProtocolError):
+            verify(signed, KEY, other)
+
+
+def test_map_keys_are_signed_sorted() -> None:
+    """8.6-R2: a message whose map keys came in another order has the same tag."""
+    pull = MESSAGES["pull"][0]
+    blocks = {"b": ("x-b", [[1]]), "a": ("x-a", [[2]])}
+    one = msgspec.structs.replace(pull, req_blocks=blocks)
+    other = msgspec.structs.replace(pull, req_blocks=dict(reversed(blocks.items())))
+    assert encode_canonical(one) == encode_canonical(other)
+    assert tag(one, KEY) == tag(other, KEY)
 
 
 @pytest.mark.parametrize("kind", ["pull", "response"])
