@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdwire.consumer import ConsumerSession, _Pull
 from pdwire.messages import ErrorCode, XferResponseV2
 from pdwire.messages import XferResponseStatus as Status
@@ -18,6 +20,19 @@ def _settle_withdrawn(session: ConsumerSession, cancel: _Pull) -> None:
     _ORIGINAL_ON_CANCEL_REPLY(session, cancel, confirmed)
 
 
+def _frees_on(status: Status) -> Any:
+    """``_on_cancel_reply`` that settles every request the cancel withdrew on a reply of
+    ``status``, listed or not."""
+
+    def on_reply(self: ConsumerSession, cancel: _Pull, reply: XferResponseV2) -> None:
+        if reply.status is status:
+            _settle_withdrawn(self, cancel)
+        else:
+            _ORIGINAL_ON_CANCEL_REPLY(self, cancel, reply)
+
+    return on_reply
+
+
 @mutant(
     "d-cancel-error-frees",
     "decode",
@@ -25,13 +40,7 @@ def _settle_withdrawn(session: ConsumerSession, cancel: _Pull) -> None:
     cases=("consumer/3.5/2",),
 )
 def _cancel_error_frees() -> None:
-    def on_reply(self: ConsumerSession, cancel: _Pull, reply: XferResponseV2) -> None:
-        if reply.status is Status.ERROR:
-            _settle_withdrawn(self, cancel)
-        else:
-            _ORIGINAL_ON_CANCEL_REPLY(self, cancel, reply)
-
-    replace(ConsumerSession, "_on_cancel_reply", on_reply)
+    replace(ConsumerSession, "_on_cancel_reply", _frees_on(Status.ERROR))
 
 
 @mutant(
@@ -41,13 +50,7 @@ def _cancel_error_frees() -> None:
     cases=("consumer/3.5/3",),
 )
 def _cancel_finish_frees_all() -> None:
-    def on_reply(self: ConsumerSession, cancel: _Pull, reply: XferResponseV2) -> None:
-        if reply.status is Status.FINISH:
-            _settle_withdrawn(self, cancel)
-        else:
-            _ORIGINAL_ON_CANCEL_REPLY(self, cancel, reply)
-
-    replace(ConsumerSession, "_on_cancel_reply", on_reply)
+    replace(ConsumerSession, "_on_cancel_reply", _frees_on(Status.FINISH))
 
 
 @mutant(

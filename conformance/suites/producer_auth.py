@@ -22,8 +22,9 @@ from .producer_env import ProducerCtx, describe
 AUTH_DETAIL = f"AUTH_FAILED: {error_strings.AUTH_FAILED}"
 
 
-def _expect_auth_failed(r: PullResult, what: str) -> None:
-    """P answered ERROR "auth_tag missing or invalid." with err_code AUTH_FAILED (8.6-R7)."""
+def _expect_auth_failed(r: PullResult, what: str, *, legacy: bool = False) -> None:
+    """P answered ERROR "auth_tag missing or invalid." with err_code AUTH_FAILED (8.6-R7), or,
+    to a ``legacy`` pull, with no pdwire/2 field at all (3.4-R6)."""
     reply = r.terminal
     expect(
         reply is not None and reply.status.name == "ERROR",
@@ -31,7 +32,13 @@ def _expect_auth_failed(r: PullResult, what: str) -> None:
     )
     assert reply is not None
     expect_equal(reply.err_msg, error_strings.AUTH_FAILED, f"{what}: err_msg")
-    expect_equal(str(reply.err_code), "AUTH_FAILED", f"{what}: err_code")
+    if legacy:
+        expect(
+            reply.pdwire_version == 0 and reply.err_code is None and reply.auth_tag is None,
+            f"{what}: the reply carries pdwire/2 fields, which a legacy D cannot decode",
+        )
+    else:
+        expect_equal(str(reply.err_code), "AUTH_FAILED", f"{what}: err_code")
 
 
 def _expect_untouched(worker: DWorker, blocks: list[int], what: str) -> None:
@@ -236,17 +243,7 @@ async def keyed_p_refuses_a_legacy_pull(t: ProducerCtx) -> None:
     try:
         msg = worker.pull({t.new_d_req(): (tid, [blocks])})
         got = await t.send(t.targets(worker)[0], t.encode(msg, False))
-        reply = got.terminal
-        expect(
-            reply is not None and reply.status.name == "ERROR",
-            f"{what}: expected ERROR, got {got.describe()}",
-        )
-        assert reply is not None
-        expect_equal(reply.err_msg, error_strings.AUTH_FAILED, f"{what}: err_msg")
-        expect(
-            reply.pdwire_version == 0 and reply.err_code is None and reply.auth_tag is None,
-            f"{what}: the reply carries pdwire/2 fields, which a legacy D cannot decode",
-        )
+        _expect_auth_failed(got, what, legacy=True)
         _expect_untouched(worker, blocks, what)
     finally:
         worker.give_back(blocks)
