@@ -30,8 +30,8 @@ def add_key_options(p: argparse.ArgumentParser, key_help: str) -> None:
         metavar="PATH",
         action="append",
         default=[],
-        help="also accept messages and registrations signed with the older key in PATH, while "
-        "keys are rotated (8.6-R16; repeatable; needs --auth-key-file)",
+        help="also accept what is signed with the older key in PATH, while keys are rotated "
+        "(8.6-R16; repeatable; needs --auth-key-file)",
     )
 
 
