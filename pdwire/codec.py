@@ -19,6 +19,7 @@ from .errors import DecodeError, LocalProtocolError, PeerCannotDecode
 from .legacy import FLAT_BLOCK_LISTS, upgrade_pull
 from .messages import (
     LeaseHeartbeat,
+    NonNegInt,
     XferCancel,
     XferMetadata,
     XferMetadataV2,
@@ -35,6 +36,10 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
 _encoder: Final = msgspec.msgpack.Encoder()
 #: Map keys in sorted order, struct fields in declaration order (8.6-R2).
 _canonical_encoder: Final = msgspec.msgpack.Encoder(order="deterministic")
+_encode: Final = _encoder.encode
+_astuple: Final = msgspec.structs.astuple
+_PULL_FIELDS: Final = len(XferMetadata.__struct_fields__)
+_RESPONSE_FIELDS: Final = len(XferResponse.__struct_fields__)
 _pull_decoder: Final = msgspec.msgpack.Decoder(XferMetadataV2)
 _response_decoder: Final = msgspec.msgpack.Decoder(XferResponseV2)
 _cancel_decoder: Final = msgspec.msgpack.Decoder(XferCancel)
@@ -68,7 +73,6 @@ KIND_SECTIONS: Final = {
 _FIELD_SECTIONS: Final = {"status": sections.STATUS, "fingerprint": sections.FINGERPRINT}
 
 T = TypeVar("T")
-S = TypeVar("S", XferMetadata, XferResponse)
 
 
 def _is_legacy(profile: Profile | Agreement) -> bool:
@@ -86,29 +90,34 @@ def _is_legacy(profile: Profile | Agreement) -> bool:
 
 def encode_pull(msg: XferMetadata, profile: Profile | Agreement = LEGACY) -> bytes:
     """Encode a pull. ``legacy`` gives vLLM 0.34's exact bytes (0.33's are the same)."""
-    return _encode_legacy_base(msg, profile, XferMetadata, _check_pull, sections.PULL)
+    if not isinstance(msg, XferMetadata):
+        raise _wrong_type(XferMetadata, msg, sections.PULL)
+    legacy = profile is LEGACY or _is_legacy(profile)  # also refuses an unknown profile name
+    problem = _check_pull(msg)
+    if problem is not None:
+        _raise_local(problem, sections.PULL)
+    if legacy and type(msg) is not XferMetadata:
+        msg = XferMetadata(*_astuple(msg)[:_PULL_FIELDS])
+    return _encode(msg)
 
 
 def encode_response(msg: XferResponse, profile: Profile | Agreement = LEGACY) -> bytes:
     """Encode a reply. ``legacy`` leaves out version, capabilities and error codes."""
-    return _encode_legacy_base(msg, profile, XferResponse, _check_response, sections.RESPONSE)
-
-
-def _encode_legacy_base(
-    msg: S, profile: Profile | Agreement, base: type[S], check: Callable[[S], Problem], section: str
-) -> bytes:
-    """Encode ``msg``; under ``legacy``, as its ``base`` (vLLM's struct) without extensions."""
-    if not isinstance(msg, base):
-        raise LocalProtocolError(
-            f"expected {base.__name__}, got {type(msg).__name__}", section=section
-        )
-    legacy = _is_legacy(profile)  # also refuses an unknown profile name
-    problem = check(msg)
+    if not isinstance(msg, XferResponse):
+        raise _wrong_type(XferResponse, msg, sections.RESPONSE)
+    legacy = profile is LEGACY or _is_legacy(profile)
+    problem = _check_response(msg)
     if problem is not None:
-        _raise_local(problem, section)
-    if legacy and type(msg) is not base:
-        msg = base(*msgspec.structs.astuple(msg)[: len(base.__struct_fields__)])
-    return _encoder.encode(msg)
+        _raise_local(problem, sections.RESPONSE)
+    if legacy and type(msg) is not XferResponse:
+        msg = XferResponse(*_astuple(msg)[:_RESPONSE_FIELDS])
+    return _encode(msg)
+
+
+def _wrong_type(expected: type, msg: object, section: str) -> LocalProtocolError:
+    return LocalProtocolError(
+        f"expected {expected.__name__}, got {type(msg).__name__}", section=section
+    )
 
 
 def encode_cancel(msg: XferCancel, profile: Profile | Agreement = PDWIRE_2) -> bytes:
@@ -160,12 +169,14 @@ def decode_pull(
     """Decode a pull of any profile or older variant (§3.8) into the current model."""
     if type(data) is not bytes or len(data) > max_size:
         _check_size(data, max_size, "pull")
-    try:
-        msg = _pull_decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        msg = _decode_older_pull(data, exc)
-    except (msgspec.DecodeError, RecursionError) as exc:
-        raise _malformed(exc, "pull") from None
+    msg = _decode_pull_fast(data)
+    if msg is None:
+        try:
+            msg = _pull_decoder.decode(data)
+        except msgspec.ValidationError as exc:
+            msg = _decode_older_pull(data, exc)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise _malformed(exc, "pull") from None
     problem = _check_pull(msg)
     if problem is not None:
         _raise_decode(problem, "pull")
@@ -176,7 +187,11 @@ def decode_response(
     data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_MESSAGE_BYTES
 ) -> XferResponseV2:
     """Decode a reply of either profile."""
-    return _decode_checked(_response_decoder, _check_response, data, max_size, "response")
+    msg = _decode(_response_decoder, data, max_size, "response")
+    problem = _check_response(msg)
+    if problem is not None:
+        _raise_decode(problem, "response")
+    return msg
 
 
 def decode_cancel(
@@ -281,6 +296,77 @@ def _decode(decoder: msgspec.msgpack.Decoder[T], data: Any, max_size: int, kind:
         raise _invalid(exc, kind) from None
     except (msgspec.DecodeError, RecursionError) as exc:
         raise _malformed(exc, kind) from None
+
+
+class _PullWithRawLens(XferMetadataV2):
+    """A pull whose strides and payloads are left as their msgpack bytes."""
+
+    block_lens: msgspec.Raw  # type: ignore[assignment]
+    kv_block_lens: msgspec.Raw  # type: ignore[assignment]
+
+
+_raw_lens_decoder: Final = msgspec.msgpack.Decoder(_PullWithRawLens)
+#: The decoder of ``block_lens`` and of ``kv_block_lens``, both of this type.
+_region_lens_decoder: Final = msgspec.msgpack.Decoder(list[NonNegInt])
+_REQUIRED_PULL_FIELDS: Final = len(XferMetadataV2.__struct_fields__) - len(
+    XferMetadataV2.__struct_defaults__
+)
+
+
+def _decode_pull_fast(data: Any) -> XferMetadataV2 | None:
+    """``data``'s pull, its strides and payloads compared as bytes and, when equal (no padded
+    region: the common case), decoded once; None where only the full decoder can tell (an error,
+    an older variant, a key given twice)."""
+    try:
+        msg: Any = _raw_lens_decoder.decode(data)
+        strides = _region_lens_decoder.decode(msg.block_lens)
+        if msg.kv_block_lens == msg.block_lens:
+            # Sharing the int objects lets _check_pull compare the two lists by identity.
+            payloads = strides.copy()
+        else:
+            payloads = _region_lens_decoder.decode(msg.kv_block_lens)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+        return None
+    # The full decoder checks each value of a key given twice, where this one read only the last.
+    # A map holding no more keys than the pull has fields that differ from their default has no
+    # key twice (nor an unknown one).
+    if _map_size(data) != _fields_set(msg):
+        return None
+    # _PullWithRawLens only retypes two of XferMetadataV2's slots: the object becomes a pull.
+    msg.__class__ = XferMetadataV2
+    pull: XferMetadataV2 = msg
+    pull.block_lens, pull.kv_block_lens = strides, payloads
+    return pull
+
+
+def _map_size(data: Any) -> int:
+    """The number of keys of the map ``data`` begins with (fixmap, map 16 or map 32)."""
+    head: int = data[0]
+    if head < 0x90:
+        return head & 0x0F
+    return int.from_bytes(data[1:3] if head == 0xDE else data[1:5], "big")
+
+
+def _fields_set(m: XferMetadataV2) -> int:
+    """How many of the pull's fields differ from their default. A field left out here only sends
+    a pull that sets it to the full decoder; a field counted at its default would let a key given
+    twice through, so the defaults here must stay XferMetadataV2's (test_malformed checks)."""
+    return (
+        _REQUIRED_PULL_FIELDS
+        + bool(m.registered_layer_names)
+        + bool(m.registered_layer_indices)
+        + bool(m.registered_group_indices)
+        + bool(m.registered_shared_group_ids)
+        + bool(m.registered_row_offsets)
+        + (m.remote_pp_size != 1)
+        + (m.layout_id != 0)
+        + (m.pdwire_version != 0)
+        + bool(m.pdwire_caps)
+        + (m.fingerprint is not None)
+        + (m.deadline_ms != 0)
+        + (m.auth_key_id is not None)
+        + (m.auth_tag is not None)
+    )
 
 
 def _decode_older_pull(data: Any, first_error: msgspec.ValidationError) -> XferMetadataV2:

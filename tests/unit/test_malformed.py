@@ -3,10 +3,13 @@ nothing else (spec §2, §3, §4, §5)."""
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
+from unittest.mock import patch
 
 import msgspec
+import msgspec.inspect
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -22,7 +25,9 @@ from pdwire import (
     RegisterReply,
     RegisterWorkerPayload,
     XferMetadataV2,
+    codec,
 )
+from pdwire.messages import NonNegInt
 
 from .conftest import cancels, pulls_v2, responses_v2
 
@@ -364,6 +369,135 @@ def test_random_bytes_decode_or_raise_decode_error(data: bytes) -> None:
 @given(data=mutated())
 def test_mutated_encodings_decode_or_raise_decode_error(data: bytes) -> None:
     _decodes_or_decode_error(data)
+
+
+# -- the pull's fast path -----------------------------------------------------------------------
+# decode_pull reads a pull's strides and payloads as bytes first (codec._decode_pull_fast) and
+# falls back to the full decoder; both must give the same pull or the same error.
+
+
+def _map(entries: list[tuple[str, bytes]], header: str = "shortest") -> bytes:
+    """A MessagePack map of already encoded values, keys repeated as given."""
+    n = len(entries)
+    if header == "shortest" and n <= 15:
+        head = bytes((0x80 | n,))
+    elif header == "map32":
+        head = b"\xdf" + n.to_bytes(4, "big")
+    else:
+        head = b"\xde" + n.to_bytes(2, "big")
+    return head + b"".join(enc(key) + value for key, value in entries)
+
+
+def _int_list(values: list[int], wide: bool) -> bytes:
+    """``values`` as a MessagePack array; ``wide`` writes each non-negative int as a uint 64."""
+    items = [b"\xcf" + v.to_bytes(8, "big") if wide and v >= 0 else enc(v) for v in values]
+    return bytes((0x90 | len(values),)) + b"".join(items)
+
+
+def _outcome(data: Any) -> Any:
+    try:
+        return pdwire.decode_pull(data)
+    except DecodeError as exc:
+        return exc.path, exc.section, str(exc)
+
+
+def _full_decoder_outcome(data: Any) -> Any:
+    with patch.object(codec, "_decode_pull_fast", return_value=None):
+        return _outcome(data)
+
+
+@st.composite
+def pull_maps(draw: st.DrawFn) -> Any:
+    """Pulls whose maps repeat keys, carry unknown keys or defaults, write ints wider than
+    needed, with any map header, in any bytes-like."""
+    lens = st.builds(
+        _int_list, st.lists(st.sampled_from([-1, 0, 63, 64, 2**40]), max_size=3), st.booleans()
+    )
+    entries = [(k, enc(v)) for k, v in PULL.items() if k not in ("block_lens", "kv_block_lens")]
+    strides = _int_list([64, 64], wide=False)
+    entries += [("block_lens", draw(st.one_of(st.just(strides), lens)))]
+    entries += [("kv_block_lens", draw(st.one_of(st.just(strides), lens)))]
+    extras = {
+        "remote_pp_size": [1, 2],
+        "layout_id": [0, 5],
+        "registered_layer_names": [[], ["a", "b"]],
+        "pdwire_version": [0, 2],
+        "deadline_ms": [0, 9],
+        "not_a_field": [1],
+    }
+    for key, values in extras.items():
+        if draw(st.booleans()):
+            entries.append((key, enc(draw(st.sampled_from(values)))))
+    for key in draw(st.lists(st.sampled_from(["block_lens", "kv_block_lens", "remote_port"]))):
+        entries.append((key, draw(st.one_of(lens, st.just(enc(17000))))))
+    data = _map(
+        draw(st.permutations(entries)), draw(st.sampled_from(["shortest", "map16", "map32"]))
+    )
+    return draw(st.sampled_from([bytes, bytearray, memoryview]))(data)
+
+
+@settings(deadline=None, max_examples=500)
+@given(data=pull_maps())
+def test_pull_fast_path_agrees_with_the_full_decoder(data: Any) -> None:
+    assert _outcome(data) == _full_decoder_outcome(data)
+
+
+@pytest.mark.parametrize("field", ["block_lens", "kv_block_lens"])
+@pytest.mark.parametrize("bad_first", [True, False])
+def test_each_value_of_a_key_given_twice_is_checked(field: str, bad_first: bool) -> None:
+    good, bad = enc([64, 64]), enc([64, -1])
+    first, last = (bad, good) if bad_first else (good, bad)
+    entries = [(k, first if k == field else enc(v)) for k, v in PULL.items()] + [(field, last)]
+    with pytest.raises(DecodeError) as info:
+        pdwire.decode_pull(_map(entries))
+    assert (info.value.path, info.value.section) == (f"$.{field}[1]", "3.2")
+
+
+#: A value other than its default for each field a pull may leave out.
+NON_DEFAULT: dict[str, Any] = {
+    "registered_layer_names": ["layer.0", "layer.1"],
+    "registered_layer_indices": [0, 1],
+    "registered_group_indices": [0, -1],
+    "registered_shared_group_ids": [[0], [0, 1]],
+    "registered_row_offsets": [0, -1],
+    "remote_pp_size": 2,
+    "layout_id": 5,
+    "pdwire_version": 2,
+    "pdwire_caps": ["cancel"],
+    "fingerprint": {
+        "model": "m",
+        "dtype": "bfloat16",
+        "num_layers": 2,
+        "num_kv_heads": 8,
+        "head_size": 128,
+        "block_size": 16,
+        "kv_layout": "LBHNC",
+    },
+    "deadline_ms": 9,
+    "auth_key_id": "0123456789abcdef",
+    "auth_tag": b"tag",
+}
+
+
+def test_pull_fast_path_takes_pulls_with_or_without_each_field() -> None:
+    assert set(PULL) | set(NON_DEFAULT) == set(XferMetadataV2.__struct_fields__)
+    for doc in (PULL, {**PULL, **NON_DEFAULT}):
+        data = enc(doc)
+        assert codec._decode_pull_fast(data) == _full_decoder_outcome(data)
+
+
+def test_pull_fast_path_shares_equal_strides_and_payloads() -> None:
+    # Equal bytes are decoded once, as the type both fields share.
+    types = {f.name: f.type for f in msgspec.structs.fields(XferMetadataV2)}
+    for field in ("block_lens", "kv_block_lens"):
+        assert msgspec.inspect.type_info(types[field]).type == msgspec.inspect.type_info(
+            list[NonNegInt]
+        )
+    data = enc({**PULL, "block_lens": [2**40, 64], "kv_block_lens": [2**40, 64]})
+    fast = codec._decode_pull_fast(data)
+    assert fast is not None and type(fast) is XferMetadataV2
+    assert fast == _full_decoder_outcome(data)
+    assert all(map(operator.is_, fast.kv_block_lens, fast.block_lens))
 
 
 # -- HTTP documents -----------------------------------------------------------------------------
