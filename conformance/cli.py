@@ -340,8 +340,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     trace = sub.add_parser(
         "trace",
         help="the traceability table: which cases check which requirement",
-        description="Print how many requirements of each level the cases cover and every MUST "
-        "that no case covers; exit 1 when such a MUST is not listed as unobservable.",
+        description="Print how many requirements of each level, of each profile and of each "
+        "role the cases cover (a requirement that binds two roles counts for each), and every "
+        "MUST that no case covers; exit 1 when such a MUST is not listed as unobservable.",
     )
     trace.add_argument("--markdown", action="store_true", help="print the whole table")
     trace.add_argument("--json", action="store_true", help="print the counts as JSON")
@@ -386,6 +387,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
     else:
         for level, total in counts["requirements"].items():
             print(f"{level}: {counts['requirements_covered'].get(level, 0)} of {total} covered")
+        for kind in ("profile", "role"):
+            for name, total in counts[f"requirements_by_{kind}"].items():
+                got = counts[f"requirements_covered_by_{kind}"][name]
+                print(f"{kind} {name}: {got} of {total} covered")
         print("cases by level:", counts["cases_by_level"])
         print("cases by chapter:", counts["cases_by_chapter"])
     missing = [r for r in tr.uncovered_musts(rows) if r.id not in tr.UNCOVERED]

@@ -1,9 +1,11 @@
 """The spec's numbered requirements (``spec/*.md``), as data the cases quote.
 
 A requirement is one bullet that starts with its bold identifier (``**3.2-R1**`` or, in chapter
-10, ``**10.3.2**``). Its level is its first RFC 2119 keyword. ``requirements.json`` beside this
-module holds them, so an installed harness quotes the spec it was built from; ``pdwire
-conformance requirements --write`` regenerates it from ``spec/`` and a test fails when it drifts.
+10, ``**10.3.2**``) and its tag, the roles it binds and its profile (``*[P, D; both]*``, spec
+README, "Requirement tags"). Its level is its first RFC 2119 keyword; a bullet without one (a
+withdrawn requirement) carries no requirement and no tag. ``requirements.json`` beside this module
+holds them, so an installed harness quotes the spec it was built from; ``pdwire conformance
+requirements --write`` regenerates it from ``spec/`` and a test fails when it drifts.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ _BULLET: Final = re.compile(
     r"^- \*\*(?P<id>\d+(?:\.\d+)*(?:-R\d+)?)\*\*(?P<body>.*?)(?=^- |^\s*$|^#|\Z)", re.M | re.S
 )
 _KEYWORD: Final = re.compile(r"\b(MUST NOT|MUST|REQUIRED|SHALL NOT|SHALL|SHOULD NOT|SHOULD|MAY)\b")
-_PDWIRE2: Final = "*(pdwire/2)*"
+#: The roles a requirement can bind, in the order its tag lists them.
+ROLES: Final = ("P", "D", "proxy", "bootstrap")
+#: The profiles a requirement can bind: only the legacy profile, only pdwire/2, or both.
+PROFILES: Final = ("legacy", "pdwire/2", "both")
+_TAG: Final = re.compile(r"^\*\[(?P<roles>[^;\]]*); (?P<profile>[^\]]*)\]\*\s*")
 
 
 class Level(enum.StrEnum):
@@ -51,8 +57,14 @@ class Requirement:
     id: str  # "3.2-R1" or "10.3.2"
     section: str  # "3.2", "10.3"
     level: Level
-    text: str  # the sentence as the spec states it, whitespace folded
-    pdwire2: bool  # marked *(pdwire/2)*: a fix of pdwire/2 over vLLM 0.33
+    text: str  # the sentence as the spec states it, whitespace folded, without its tag
+    roles: tuple[str, ...]  # the roles it binds, of ROLES, in that order
+    profile: str  # the profile it binds, one of PROFILES
+
+    @property
+    def pdwire2(self) -> bool:
+        """Binds only pdwire/2 (in chapter 10: a fix of pdwire/2 over vLLM)."""
+        return self.profile == "pdwire/2"
 
 
 def section_of(req_id: str) -> str:
@@ -62,18 +74,37 @@ def section_of(req_id: str) -> str:
     return req_id.rsplit(".", 1)[0]
 
 
+def parse_tag(req_id: str, text: str) -> tuple[tuple[str, ...], str, str]:
+    """The roles and profile of the tag that opens ``text``, and the text after it; a
+    ``ValueError`` naming ``req_id`` when the tag is missing or not valid."""
+    m = _TAG.match(text)
+    if m is None:
+        raise ValueError(f"requirement {req_id} has no tag *[roles; profile]* after its id")
+    roles = tuple(m["roles"].split(", "))
+    if any(r not in ROLES for r in roles) or list(roles) != sorted(set(roles), key=ROLES.index):
+        raise ValueError(
+            f"requirement {req_id}: roles {m['roles']!r} are not some of {', '.join(ROLES)}, "
+            "in that order, comma-separated"
+        )
+    if m["profile"] not in PROFILES:
+        raise ValueError(
+            f"requirement {req_id}: profile {m['profile']!r} is not one of {', '.join(PROFILES)}"
+        )
+    return roles, m["profile"], text[m.end() :]
+
+
 def parse(markdown: str) -> list[Requirement]:
-    """Every numbered requirement of one chapter, in order."""
+    """Every numbered requirement of one chapter, in order; a ``ValueError`` for a requirement
+    without a valid tag."""
     found = []
     for m in _BULLET.finditer(markdown):
         text = " ".join(m["body"].split())
         keyword = _KEYWORD.search(text)
         if keyword is None:
             continue  # a numbered note without a keyword carries no requirement
-        pdwire2 = text.startswith(_PDWIRE2)
-        if pdwire2:
-            text = text[len(_PDWIRE2) :].strip()
-        found.append(Requirement(m["id"], section_of(m["id"]), _LEVELS[keyword[1]], text, pdwire2))
+        roles, profile, text = parse_tag(m["id"], text)
+        level = _LEVELS[keyword[1]]
+        found.append(Requirement(m["id"], section_of(m["id"]), level, text, roles, profile))
     return found
 
 
@@ -94,7 +125,12 @@ def catalogue() -> dict[str, Requirement]:
     rows = json.loads(CATALOGUE.read_text(encoding="utf-8"))
     return {
         row["id"]: Requirement(
-            row["id"], row["section"], Level(row["level"]), row["text"], row["pdwire2"]
+            row["id"],
+            row["section"],
+            Level(row["level"]),
+            row["text"],
+            tuple(row["roles"]),
+            row["profile"],
         )
         for row in rows
     }

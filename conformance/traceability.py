@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from .case import Case, all_cases
-from .requirements import Level, Requirement, catalogue
+from .requirements import PROFILES, ROLES, Level, Requirement, catalogue
 
 #: MUSTs that no case of this harness can observe, each with the reason. A MUST leaves this list
 #: when a case covers it (a test fails on a stale entry).
@@ -50,7 +50,8 @@ def uncovered_musts(rows: Sequence[Row]) -> list[Requirement]:
 
 
 def counts(cases: Sequence[Case] | None = None) -> dict[str, dict[str, int]]:
-    """Cases per level and per chapter, and requirements covered per level."""
+    """Cases per level and per chapter, and requirements and the covered ones per level, per
+    profile and per role (a requirement that binds two roles counts for each)."""
     chosen = all_cases() if cases is None else cases
     by_level: dict[str, int] = {}
     by_chapter: dict[str, int] = {}
@@ -60,15 +61,29 @@ def counts(cases: Sequence[Case] | None = None) -> dict[str, dict[str, int]]:
         by_chapter[chapter] = by_chapter.get(chapter, 0) + 1
     covered: dict[str, int] = {}
     total: dict[str, int] = {}
+    by_profile = dict.fromkeys(PROFILES, 0)
+    covered_by_profile = dict.fromkeys(PROFILES, 0)
+    by_role = dict.fromkeys(ROLES, 0)
+    covered_by_role = dict.fromkeys(ROLES, 0)
     for row in table(chosen):
-        level = row.requirement.level.value
+        r = row.requirement
+        level = r.level.value
         total[level] = total.get(level, 0) + 1
         covered[level] = covered.get(level, 0) + row.covered
+        by_profile[r.profile] += 1
+        covered_by_profile[r.profile] += row.covered
+        for role in r.roles:
+            by_role[role] += 1
+            covered_by_role[role] += row.covered
     return {
         "cases_by_level": by_level,
         "cases_by_chapter": dict(sorted(by_chapter.items(), key=lambda kv: int(kv[0]))),
         "requirements": total,
         "requirements_covered": covered,
+        "requirements_by_profile": by_profile,
+        "requirements_covered_by_profile": covered_by_profile,
+        "requirements_by_role": by_role,
+        "requirements_covered_by_role": covered_by_role,
     }
 
 

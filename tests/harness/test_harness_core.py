@@ -16,7 +16,17 @@ from conformance import case as case_module
 from conformance import cli, traceability
 from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases, case, expect
 from conformance.report import write_html, write_json, write_junit
-from conformance.requirements import CATALOGUE, Level, dump, get, parse, parse_spec
+from conformance.requirements import (
+    CATALOGUE,
+    PROFILES,
+    ROLES,
+    Level,
+    catalogue,
+    dump,
+    get,
+    parse,
+    parse_spec,
+)
 from conformance.runner import (
     RunOptions,
     exit_code,
@@ -35,21 +45,45 @@ def test_catalogue_is_the_spec() -> None:
     assert CATALOGUE.read_text(encoding="utf-8") == dump(parse_spec())
 
 
-def test_parse_takes_id_level_text_and_pdwire2_mark() -> None:
+def test_parse_takes_id_level_text_and_tag() -> None:
     md = (
-        "- **3.9-R1** A sender MUST NOT do this,\n  across two lines.\n"
-        "- **3.9-R2** A receiver SHOULD do that.\n\n"
-        "- **10.99.1** *(pdwire/2)* P MAY do so.\n"
-        "- **3.9-R3** no keyword here.\n"
+        "- **3.9-R1** *[P, D; both]* A sender MUST NOT do this,\n  across two lines.\n"
+        "- **3.9-R2** *[D, proxy, bootstrap; legacy]* A receiver SHOULD do that.\n\n"
+        "- **10.99.1** *[P; pdwire/2]* P MAY do so.\n"
+        "- **3.9-R3** *Withdrawn in revision 9: no keyword here.*\n"
     )
     reqs = parse(md)
-    assert [(r.id, r.section, r.level, r.pdwire2) for r in reqs] == [
-        ("3.9-R1", "3.9", Level.MUST, False),
-        ("3.9-R2", "3.9", Level.SHOULD, False),
-        ("10.99.1", "10.99", Level.MAY, True),
+    assert [(r.id, r.section, r.level, r.roles, r.profile, r.pdwire2) for r in reqs] == [
+        ("3.9-R1", "3.9", Level.MUST, ("P", "D"), "both", False),
+        ("3.9-R2", "3.9", Level.SHOULD, ("D", "proxy", "bootstrap"), "legacy", False),
+        ("10.99.1", "10.99", Level.MAY, ("P",), "pdwire/2", True),
     ]
     assert reqs[0].text == "A sender MUST NOT do this, across two lines."
     assert reqs[2].text == "P MAY do so."
+
+
+@pytest.mark.parametrize(
+    ("bullet", "error"),
+    [
+        ("- **3.9-R4** P MUST do this.", r"3\.9-R4 has no tag"),
+        ("- **10.99.2** *(pdwire/2)* P MUST do this.", r"10\.99\.2 has no tag"),
+        ("- **3.9-R4** *[D, P; both]* P MUST do this.", r"3\.9-R4: roles 'D, P'"),
+        ("- **3.9-R4** *[P, P; both]* P MUST do this.", r"3\.9-R4: roles 'P, P'"),
+        ("- **3.9-R4** *[P,D; both]* P MUST do this.", r"3\.9-R4: roles 'P,D'"),
+        ("- **3.9-R4** *[client; both]* P MUST do this.", r"3\.9-R4: roles 'client'"),
+        ("- **3.9-R4** *[P; pdwire2]* P MUST do this.", r"3\.9-R4: profile 'pdwire2'"),
+    ],
+)
+def test_a_requirement_without_a_valid_tag_is_an_error(bullet: str, error: str) -> None:
+    """A new requirement that lacks its tag fails the parse, and so the drift test."""
+    with pytest.raises(ValueError, match=error):
+        parse(bullet + "\n")
+
+
+def test_every_requirement_binds_some_role_in_one_profile() -> None:
+    for r in catalogue().values():
+        assert r.roles and r.profile in PROFILES, r.id
+        assert list(r.roles) == sorted(set(r.roles), key=ROLES.index), r.id
 
 
 async def _noop(ctx: Any) -> None:
@@ -196,6 +230,30 @@ def test_traceability_table_lists_every_requirement() -> None:
     assert [r.requirement.id for r in covered] == [MUST]
     assert MUST not in {r.id for r in traceability.uncovered_musts(rows)}
     assert "| 3.2-R1 | MUST | `producer/3.2/1` |" in traceability.markdown(rows)
+
+
+def test_trace_counts_requirements_by_profile_and_by_role() -> None:
+    """A requirement counts once for its profile and once for each role it binds."""
+    req = get(MUST)
+    counts = traceability.counts([_case(MUST, _noop)])
+    reqs = parse_spec()
+    assert counts["requirements_by_profile"] == {
+        p: sum(r.profile == p for r in reqs) for p in PROFILES
+    }
+    assert counts["requirements_by_role"] == {o: sum(o in r.roles for r in reqs) for o in ROLES}
+    assert counts["requirements_covered_by_profile"] == {p: int(p == req.profile) for p in PROFILES}
+    assert counts["requirements_covered_by_role"] == {o: int(o in req.roles) for o in ROLES}
+
+
+def test_trace_prints_the_counts_by_profile_and_role(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["trace", "--json"]) == cli.EXIT_OK
+    counts = json.loads(capsys.readouterr().out)
+    assert sum(counts["requirements_by_profile"].values()) == len(parse_spec())
+    assert cli.main(["trace"]) == cli.EXIT_OK
+    out = capsys.readouterr().out.splitlines()
+    got = counts["requirements_covered_by_role"]["D"]
+    assert f"role D: {got} of {counts['requirements_by_role']['D']} covered" in out
+    assert any(line.startswith("profile pdwire/2: ") for line in out)
 
 
 def test_every_must_has_a_case_or_a_reason() -> None:
