@@ -15,7 +15,7 @@ import msgspec
 
 from . import auth, sections
 from . import error_strings as msgs
-from .codec import decode_pull, decode_request, encode_response
+from .codec import REQUEST_KINDS, decode_pull, decode_request, encode_response
 from .errors import DecodeError, LocalProtocolError, RemoteProtocolError
 from .events import (
     FreeBlocks,
@@ -56,10 +56,10 @@ S, E = TransferState, TransferEvent
 #: vLLM's default of VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, seconds (§6).
 ABORT_REQUEST_TIMEOUT: Final = 480.0
 MAX_PEER_LAYOUTS: Final = 1024
-_CANCEL_KEY: Final = b"\xabcancel_reqs"  # the key as msgpack writes it: fixstr of 11 bytes
-_LEASE_KEY: Final = b"\xb2lease_transfer_ids"  # fixstr of 18 bytes
 #: The discriminator keys of the kinds other than the pull (3.1-R7), as msgpack writes them.
-_OTHER_KEYS: Final = (_LEASE_KEY, _CANCEL_KEY)
+_OTHER_KEYS: Final = tuple(
+    msgspec.msgpack.encode(k) for k, kind in REQUEST_KINDS.items() if kind != "pull"
+)
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 

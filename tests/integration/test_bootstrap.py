@@ -302,7 +302,7 @@ def test_auth_keys_rotate_by_id(make_server: ServerFactory) -> None:
     with httpx.Client(base_url=server.url, timeout=WAIT) as http:
         for rank, key in enumerate((new, old)):
             assert post(http, signed_body(worker(0, rank, 0, **v2()), key)).status_code == 200
-        unnamed = {k: v for k, v in signed_body(worker(0, 2, 0, **v2()), old).items()}
+        unnamed = signed_body(worker(0, 2, 0, **v2()), old)
         del unnamed["auth_key_id"], unnamed["auth_tag"]
         unnamed["auth_tag"] = register_tag(unnamed, old)
         assert post(http, unnamed).status_code == 401
