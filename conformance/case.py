@@ -23,7 +23,7 @@ import dataclasses
 import enum
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
 from .requirements import Level, Requirement, get
@@ -73,6 +73,12 @@ def given(value: T | None, what: str, flag: str) -> T:
     if value is None:
         raise Skip(f"{what} is unknown: pass {flag}")
     return value
+
+
+def declared_limit(limits: Mapping[str, int], name: str, whose: str) -> int:
+    """The testee's limit ``name`` (chapter 13), which the run was told with ``--limits``;
+    skips the case when it was not."""
+    return given(limits.get(name), f"{whose} limit {name}", "--limits")
 
 
 def expect(ok: bool, detail: str, *, expected: Any = None, actual: Any = None) -> None:

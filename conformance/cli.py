@@ -171,6 +171,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "of a message over the limit is skipped without it",
     )
     _auth_key(prod, "P")
+    _limits(prod, "P")
     _geometry(prod)
     _common(prod)
     prod.set_defaults(func=cmd_producer)
@@ -256,6 +257,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the same for a proxy with an API key, given as {api_key} and in the environment "
         "variable PDWIRE_CONFORMANCE_API_KEY (the API-key case is skipped without it)",
     )
+    _limits(prox, "the proxy")
     _common(prox)
     prox.set_defaults(func=cmd_proxy)
 
@@ -485,6 +487,38 @@ def _lease(p: argparse.ArgumentParser, role: str) -> None:
     )
 
 
+def _limits(p: argparse.ArgumentParser, role: str) -> None:
+    p.add_argument(
+        "--limits",
+        metavar="PATH",
+        help=f"a JSON object of {role}'s limits by name (chapter 13, e.g. "
+        '{"requests_per_message": 4096}); the cases past a limit are skipped without it',
+    )
+
+
+def read_limits(args: argparse.Namespace) -> dict[str, int]:
+    """The limits of ``--limits``, checked against the names of chapter 13."""
+    from pdwire.limits import Limits
+
+    if not args.limits:
+        return {}
+    known = set(Limits().as_dict())
+    try:
+        with open(args.limits, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"pdwire conformance: --limits {args.limits}: {exc}") from None
+    if not isinstance(doc, dict) or not all(type(v) is int for v in doc.values()):
+        raise SystemExit("pdwire conformance: --limits must hold a JSON object of integers")
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise SystemExit(
+            f"pdwire conformance: --limits names no limit {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(known))}"
+        )
+    return doc
+
+
 def read_auth_key(args: argparse.Namespace) -> bytes | None:
     """The key of ``--auth-key-file``: the file's bytes less a trailing newline."""
     from pdwire.auth import read_key_file
@@ -522,6 +556,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
         max_message_bytes=args.max_message_bytes,
+        limits=read_limits(args),
         kernel_block_size=args.kernel_block_size,
         sliding_window=args.sliding_window,
         mamba=args.mamba,
@@ -601,7 +636,10 @@ def cmd_proxy(args: argparse.Namespace) -> int:
             print(f"pdwire conformance proxy: {exc}", file=sys.stderr)
             return EXIT_USAGE
     options = ProxyOptions(
-        command=args.command, key_command=args.key_command, request_timeout=args.timeout
+        command=args.command,
+        key_command=args.key_command,
+        request_timeout=args.timeout,
+        limits=read_limits(args),
     )
     testee = {"role": "proxy", "command": args.command}
     return _run(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Final
 
 from pdwire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from pdwire.limits import REFERENCE
 from pdwire.roles import Role
 from pdwire.sim.geometry import Geometry
 
@@ -292,6 +293,7 @@ async def run_suites(
             request_timeout=timeout,
             auth_key=bed.auth_key,
             max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+            limits=REFERENCE.as_dict(),
         )
         results += await run_producer(popts, cases, options, on_result)
     if Suite.CONSUMER in wanted and d is not None:

@@ -71,6 +71,15 @@ def configure(**overrides: Any) -> None:
     replace(NodeServer, "__init__", init)
 
 
+def producer_limits(**changes: int) -> None:
+    """Make P's sessions enforce their limits with ``changes`` (chapter 13), at once."""
+    from pdwire.producer import ProducerSession
+
+    reference: Any = vars(ProducerSession)["limits"].fget
+    changed = property(lambda self: dataclasses.replace(reference(self), **changes))
+    replace(ProducerSession, "limits", changed)
+
+
 def replace(owner: object, name: str, value: object) -> None:
     """Put ``value`` in the place of ``owner.name``: how every patch applies its defect."""
     if not hasattr(owner, name):
@@ -114,6 +123,16 @@ def apply(name: str) -> None:
         _active = name
 
 
-from . import auth, consumer, consumer_cancel, lease, pair, producer, proxy, registration  # noqa: E402, F401  (register the mutants)
+from . import (  # noqa: E402, F401  (register the mutants)
+    auth,
+    consumer,
+    consumer_cancel,
+    lease,
+    limits,
+    pair,
+    producer,
+    proxy,
+    registration,
+)
 
 NAMES: Final = tuple(sorted(MUTANTS))

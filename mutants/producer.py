@@ -29,7 +29,7 @@ from pdwire.transitions import TransferState
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION
 from reference_connector import producer_agent
 
-from . import mutant, replace
+from . import mutant, producer_limits, replace
 
 logger = logging.getLogger(__name__)
 
@@ -403,7 +403,7 @@ def _miss_as_error() -> None:
     cases=("producer/3.7/2",),
 )
 def _no_layout_cache() -> None:
-    replace(producer_module, "MAX_PEER_LAYOUTS", -1)
+    producer_limits(cached_layouts=0)
 
 
 @mutant(

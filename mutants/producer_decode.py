@@ -13,10 +13,9 @@ from pdwire import codec, sections
 from pdwire import producer as producer_module
 from pdwire.errors import DecodeError
 from pdwire.messages import Fingerprint, XferMetadataV2
-from pdwire.producer import ProducerConfig, ProducerSession
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION
 
-from . import mutant, replace
+from . import mutant, producer_limits, replace
 
 
 def _wrap_decode(check: Any) -> None:
@@ -170,32 +169,20 @@ def _version_key_announces() -> None:
     "small-size-limit",
     "prefill",
     "rejects every message longer than 1 MiB",
-    at_start=True,
     cases=("producer/2.3/1",),
 )
 def _small_size_limit() -> None:
-    original = ProducerSession.__init__
-
-    def init(self: ProducerSession, config: ProducerConfig) -> None:
-        original(self, dataclasses.replace(config, max_message_bytes=1 << 20))
-
-    replace(ProducerSession, "__init__", init)
+    producer_limits(message_bytes=1 << 20)
 
 
 @mutant(
     "no-size-limit",
     "prefill",
     "decodes a message of any length",
-    at_start=True,
     cases=("producer/2.3/5",),
 )
 def _no_size_limit() -> None:
-    original = ProducerSession.__init__
-
-    def init(self: ProducerSession, config: ProducerConfig) -> None:
-        original(self, dataclasses.replace(config, max_message_bytes=1 << 40))
-
-    replace(ProducerSession, "__init__", init)
+    producer_limits(message_bytes=1 << 40)
 
 
 @mutant(

@@ -83,6 +83,7 @@ MISSING_REMOTE_PP_SIZE: Final = (
     "Consumer registered {registered} of {total} layers but sent no remote_pp_size."
 )
 AUTH_FAILED: Final = "auth_tag missing or invalid."
+LIMIT_EXCEEDED: Final = "Limit exceeded: {limit} allows {maximum}, got {value}."
 
 # -- bootstrap /register, HTTP 400 (§4.1) ---------------------------------------------------------
 ENGINE_ID_MISMATCH: Final = (

@@ -8,8 +8,8 @@ writes to start, blocks to free, requests to reject. It owns no socket, thread o
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
-from typing import Final
+from collections import Counter, OrderedDict
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -32,6 +32,7 @@ from .events import (
     TransferWillNotSend,
     WriteCompleted,
 )
+from .limits import REFERENCE, Limits, exceeded
 from .messages import ErrorCode, Fingerprint, LeaseHeartbeat, XferCancel, XferMetadataV2
 from .messages import XferResponseStatus as Status
 from .messages import XferResponseV2 as Reply
@@ -55,13 +56,13 @@ S, E = TransferState, TransferEvent
 
 #: vLLM's default of VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, seconds (§6).
 ABORT_REQUEST_TIMEOUT: Final = 480.0
-MAX_PEER_LAYOUTS: Final = 1024
 #: The discriminator keys of the kinds other than the pull (3.1-R7), as msgpack writes them.
 _OTHER_KEYS: Final = tuple(
     msgspec.msgpack.encode(k) for k, kind in REQUEST_KINDS.items() if kind != "pull"
 )
 
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
+_K = TypeVar("_K")
 
 _TOMBSTONE_CODES: Final = {
     S.NOT_SENT: (ErrorCode.WILL_NOT_SEND, msgs.WILL_NOT_SEND),
@@ -82,7 +83,7 @@ class ProducerConfig:
     lease: float | None = None
     auth_key: bytes | None = None  # signs what this side sends
     accepted_keys: tuple[bytes, ...] = ()  # accepted besides auth_key: older keys (8.6-R16)
-    max_message_bytes: int = 64 * 1024 * 1024
+    limits: Limits = REFERENCE  # chapter 13
 
     def __post_init__(self) -> None:
         check_lease(self.lease)
@@ -106,6 +107,9 @@ class _Transfer:
     writing: int = 0
     bound_d_req: str | None = None
     waiting: set[int] = dataclasses.field(default_factory=set)  # keys of pulls waiting on it
+    # The D worker whose pull made this placeholder, or whose cancel P remembers (§13.4):
+    # counted against that worker's limit while the state lasts.
+    made_by: Peer | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -166,8 +170,10 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         # The auth_tag of the pull or cancel each identity sent, until its terminal reply: the
         # tags of the replies cover it (8.6-R13).
         self._answering: dict[bytes, bytes] = {}
-        self._plans: dict[tuple[object, ...], Plan | PlanError] = {}
+        self._plans: OrderedDict[tuple[object, ...], Plan | PlanError] = OrderedDict()
         self._peer_layouts: OrderedDict[tuple[object, ...], Plan | PlanError] = OrderedDict()
+        self._open_per_peer: Counter[Peer] = Counter()
+        self._made_per_peer: Counter[tuple[TransferState, Peer]] = Counter()
 
     # -- public ------------------------------------------------------------------------------
 
@@ -179,6 +185,11 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
     def blocks_held(self) -> int:
         """Number of transfers whose blocks P holds now."""
         return sum(1 for t in self._transfers.values() if t.state is S.READY)
+
+    @property
+    def limits(self) -> Limits:
+        """The limits this P enforces (chapter 13)."""
+        return self.config.limits
 
     @property
     def open_pulls(self) -> int:
@@ -201,6 +212,10 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                 f"transfer {t.transfer_id}: no transition from {t.state} on {event.value}",
                 section=sections.BEHAVIOUR,
             )
+        if t.made_by is not None and nxt is not t.state:
+            assert t.state is not None
+            self._uncount(self._made_per_peer, (t.state, t.made_by))
+            t.made_by = None
         t.state = nxt
         if nxt is S.FORGOTTEN:
             del self._transfers[t.transfer_id]
@@ -209,6 +224,36 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         """Keep ``t`` for the retention timer (a placeholder, a tombstone, a pending cancel)."""
         t.expire_at = self._now + self.config.abort_timeout
         self._push(t.expire_at, "transfer", t.transfer_id)
+
+    def _make(self, transfer_id: str, event: TransferEvent, peer: Peer) -> _Transfer | None:
+        """A remembered state for a transfer P holds nothing for, made by ``peer``'s pull (a
+        placeholder) or cancel; None when that peer already holds its limit of them (§13.4)."""
+        state = TRANSFER_TRANSITIONS[(None, event)]
+        if self._made_per_peer[(state, peer)] >= self._made_limit(state):
+            return None
+        t = self._transfers[transfer_id] = _Transfer(transfer_id)
+        self._remember(t)
+        self._move(t, event)
+        t.made_by = peer
+        self._made_per_peer[(state, peer)] += 1
+        return t
+
+    def _made_limit(self, state: TransferState) -> int:
+        limits = self.limits
+        if state is S.PLACEHOLDER:
+            return limits.placeholders_per_peer
+        return limits.remembered_cancels_per_peer
+
+    def _made_exceeded(self, state: TransferState, peer: Peer) -> tuple[ErrorCode, str]:
+        name = "placeholders_per_peer" if state is S.PLACEHOLDER else "remembered_cancels_per_peer"
+        held = self._made_per_peer[(state, peer)]
+        return ErrorCode.LIMIT_EXCEEDED, exceeded(name, held + 1, self._made_limit(state))
+
+    @staticmethod
+    def _uncount(counter: Counter[_K], key: _K) -> None:
+        counter[key] -= 1
+        if counter[key] <= 0:
+            del counter[key]
 
     def _transfer(self, transfer_id: str) -> _Transfer:
         t = self._transfers.get(transfer_id)
@@ -337,7 +382,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         """A pull, a heartbeat or a cancel, told apart by the one discriminator key each
         carries (3.1-R7). Pulls are the common case: a message in which neither of the other
         kinds' keys occurs is decoded as a pull straight away."""
-        limit = self.config.max_message_bytes
+        limit = self.limits.message_bytes
         try:
             if any(key in ev.data for key in _OTHER_KEYS):
                 msg = decode_request(ev.data, max_size=limit)[1]
@@ -439,10 +484,14 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                 pull.err[d_req] = self._duplicate(transfer_id)
                 continue
             seen.add(transfer_id)
-            t = self._transfer(transfer_id)
-            if t.state is None:
-                self._remember(t)  # a placeholder expires (§10.11.4)
-            self._move(t, E.PULL_NAMED)
+            t = self._transfers.get(transfer_id)
+            if t is None:  # a placeholder, which expires (§10.11.4)
+                t = self._make(transfer_id, E.PULL_NAMED, pull.peer)
+                if t is None:
+                    pull.err[d_req] = self._made_exceeded(S.PLACEHOLDER, pull.peer)
+                    continue
+            else:
+                self._move(t, E.PULL_NAMED)
             if not self._binds(t, d_req):
                 pull.err[d_req] = self._duplicate(transfer_id)
                 continue
@@ -469,6 +518,16 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         """The checks of §10.4.1 that come before the layout, in order."""
         if not self._authentic(msg):
             return ErrorCode.AUTH_FAILED, msgs.AUTH_FAILED, Status.ERROR
+        limits = self.limits
+        over = self._too_many(len(msg.req_blocks))
+        if over is not None:
+            return over
+        peer = (msg.remote_hostname, msg.remote_port, msg.remote_tp_rank)
+        if self._open_per_peer[peer] >= limits.open_pulls_per_peer:
+            message = exceeded(
+                "open_pulls_per_peer", self._open_per_peer[peer] + 1, limits.open_pulls_per_peer
+            )
+            return ErrorCode.LIMIT_EXCEEDED, message, Status.ERROR
         fp = self.config.fingerprint
         if fp is not None and msg.fingerprint is not None and msg.fingerprint != fp:
             fields = ", ".join(fp.differing_fields(msg.fingerprint))
@@ -488,6 +547,14 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             )
             return ErrorCode.TP_RANK_NOT_PAIRED, message, Status.ERROR
         return self._check_stages(msg)
+
+    def _too_many(self, entries: int) -> tuple[ErrorCode, str, Status] | None:
+        """13.2: a pull, cancel or renewal that lists more entries than P accepts."""
+        maximum = self.limits.requests_per_message
+        if entries <= maximum:
+            return None
+        message = exceeded("requests_per_message", entries, maximum)
+        return ErrorCode.LIMIT_EXCEEDED, message, Status.ERROR
 
     def _check_stages(self, msg: XferMetadataV2) -> tuple[ErrorCode, str, Status] | None:
         """The PP checks of a pull whose TP rank is paired: §10.2.8, then §10.11.11."""
@@ -548,7 +615,9 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             tuple(msg.registered_row_offsets),
         )
         plan = self._plans.get(layout_key)
-        if plan is None:
+        if plan is not None:
+            self._plans.move_to_end(layout_key)
+        else:
             consumer = Side(
                 tp_size=msg.remote_tp_size,
                 tp_rank=msg.remote_tp_rank,
@@ -556,12 +625,17 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                 regions=regions_of_pull(msg),
             )
             plan = self._plans[layout_key] = prepare(self.config.side, consumer)
+            self._bound(self._plans)
         if msg.layout_id and not isinstance(plan, PlanError):
             self._peer_layouts[peer_key] = plan
             self._peer_layouts.move_to_end(peer_key)
-            if len(self._peer_layouts) > MAX_PEER_LAYOUTS:
-                self._peer_layouts.popitem(last=False)
+            self._bound(self._peer_layouts)
         return plan
+
+    def _bound(self, cache: OrderedDict[tuple[object, ...], Plan | PlanError]) -> None:
+        """Drop the least recently used entries past ``cached_layouts`` (§13.5)."""
+        while len(cache) > self.limits.cached_layouts:
+            cache.popitem(last=False)
 
     def _open_pull(
         self, identity: bytes, msg: XferMetadataV2, agreement: Agreement, plan: Plan, now: float
@@ -587,6 +661,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             d_deadline=d_deadline,
         )
         self._pulls[key] = pull
+        self._open_per_peer[pull.peer] += 1
         self._push_pull_timer(pull)
         return pull
 
@@ -698,6 +773,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             if t is not None:
                 t.waiting.discard(pull.key)
         del self._pulls[pull.key]
+        self._uncount(self._open_per_peer, pull.peer)
 
     # -- lease (vLLM 0.34, §3.9, §6.4) --------------------------------------------------------
 
@@ -708,6 +784,10 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         lease = self.config.lease
         if lease is None:
             self._reply_error(ev.identity, None, ErrorCode.BAD_MESSAGE, msgs.LEASE_NOT_SET)
+            return
+        over = self._too_many(len(heartbeat.lease_transfer_ids))
+        if over is not None:
+            self._reply_error(ev.identity, None, over[0], over[1])
             return
         renewed_until = now + lease * 2 / 3
         for transfer_id in heartbeat.lease_transfer_ids:
@@ -730,6 +810,10 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             message = "XferCancel is not accepted: this P did not announce 'cancel'."
             self._reply_error(ev.identity, agreement, ErrorCode.BAD_MESSAGE, message)
             return
+        over = self._too_many(len(cancel.cancel_reqs))
+        if over is not None:
+            self._reply_error(ev.identity, agreement, over[0], over[1])
+            return
         peer = (cancel.remote_hostname, cancel.remote_port, cancel.remote_tp_rank)
         writing = [
             p
@@ -746,6 +830,7 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         pp = cancel.remote_pp_size
         need_send = paired * (pp if pp > 1 and pp != side.pp_size else 1)
         cancelled: list[str] = []
+        refused: dict[str, tuple[ErrorCode, str]] = {}
         touched: list[_Pull] = []
         for d_req, transfer_id in cancel.cancel_reqs.items():
             t = self._transfers.get(transfer_id)
@@ -758,17 +843,27 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                     p.err[d_req] = (ErrorCode.CANCELLED, msgs.CANCELLED)
                     touched.append(p)
                     held = True
-            t = self._transfer(transfer_id)
-            t.waiting.difference_update(p.key for p in touched)
-            if t.state is None:
-                self._remember(t)  # applied if P records the request later (3.5-R16)
-            self._move(t, E.CANCELLED)
+            if t is None:  # applied if P records the request later (3.5-R16)
+                t = self._make(transfer_id, E.CANCELLED, peer)
+                if t is None:
+                    refused[d_req] = self._made_exceeded(S.CANCELLED, peer)
+                    continue
+            else:
+                t.waiting.difference_update(p.key for p in touched)
+                self._move(t, E.CANCELLED)
             if not t.need_send:
                 t.need_send = need_send
             self._settle(t, peer, FreeReason.CANCELLED)
             if held:
                 cancelled.append(d_req)
-        self._reply(ev.identity, agreement, Reply(Status.FINISH, ok_reqs=cancelled or None))
+        reply = Reply(
+            Status.FINISH,
+            ok_reqs=cancelled or None,
+            err_reqs=list(refused) or None,
+            err_msg=next(iter(refused.values()))[1] if refused else None,
+            err_codes={d: code for d, (code, _) in refused.items()} or None,
+        )
+        self._reply(ev.identity, agreement, reply)
         for p in touched:
             if p.key in self._pulls:
                 self._flush(p)

@@ -7,7 +7,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Final
 
-from pdwire.http_models import MAX_REGISTER_BODY_BYTES
+from pdwire.limits import REFERENCE
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -15,9 +15,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-REGISTER_BODY_LIMIT: Final = MAX_REGISTER_BODY_BYTES
+REGISTER_BODY_LIMIT: Final = REFERENCE.register_body_bytes
 #: A completion request: a prompt of a million token ids as JSON fits.
-COMPLETION_BODY_LIMIT: Final = 32 * 1024 * 1024
+COMPLETION_BODY_LIMIT: Final = REFERENCE.completion_body_bytes
 
 
 class _TooLarge(Exception):

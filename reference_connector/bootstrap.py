@@ -28,6 +28,8 @@ from pdwire.http_models import (
     RegisterWorkerPayload,
     decode_json,
 )
+from pdwire.limits import REFERENCE, exceeded
+from pdwire.messages import ErrorCode
 from pdwire.versions import CURRENT_VERSION, WIRE_VERSION
 
 from .body_limit import REGISTER_BODY_LIMIT, BodyLimit
@@ -100,12 +102,24 @@ class Registry:
     """Every registered engine, by ``dp_rank``. Not locked: the app mutates it only from the
     event loop, without awaiting between the checks and the update."""
 
-    def __init__(self, *, keep_pdwire_fields: bool = True) -> None:
+    max_workers: int | None = None  # None: no limit, as vLLM's server
+
+    def __init__(
+        self, *, keep_pdwire_fields: bool = True, max_workers: int | None = REFERENCE.registrations
+    ) -> None:
         self.engines: dict[int, _Engine] = {}
         self.keep_pdwire_fields = keep_pdwire_fields
+        self.max_workers = max_workers
+        self.workers = 0
 
     def register(self, p: RegisterWorkerPayload) -> None:
-        """Store one worker (4.1-R4) or raise ``RegistrationRejected`` (4.1-R5, R6, R14)."""
+        """Store one worker (4.1-R4) or raise ``RegistrationRejected`` (4.1-R5, R6, R14,
+        13.6-R1)."""
+        known = self.engines.get(p.dp_rank)
+        is_new = known is None or p.pp_rank not in known.workers.get(p.tp_rank, {})
+        if is_new and self.max_workers is not None and self.workers >= self.max_workers:
+            detail = exceeded("registrations", self.workers + 1, self.max_workers)
+            raise RegistrationRejected(507, f"{ErrorCode.LIMIT_EXCEEDED}: {detail}")
         engine = self.engines.setdefault(p.dp_rank, _Engine(p.engine_id))
         if engine.engine_id != p.engine_id:
             raise RegistrationRejected(
@@ -131,6 +145,7 @@ class Registry:
             )
         if held is None:  # an identical re-registration changes nothing (4.1-R7)
             by_pp[p.pp_rank] = self._worker(p)
+            self.workers += 1
             engine.shared = {**shared, **engine.shared}
 
     def _worker(self, p: RegisterWorkerPayload) -> _Worker:
@@ -186,7 +201,8 @@ def create_app(*, auth_key: Keys | None = None, server_version: int = CURRENT_VE
     """The bootstrap app; its registry is ``app.state.registry``.
 
     ``POST /register`` answers 200 ``RegisterReply``; 400 ``{"detail": ...}`` for the two
-    conflicts of §4.1 (and for differing engine-wide pdwire/2 fields, 4.1-R14); 401 with a key
+    conflicts of §4.1 (and for differing engine-wide pdwire/2 fields, 4.1-R14); 507 for a new
+    worker past the server's ``registrations`` limit (13.6-R1); 401 with a key
     and no valid ``auth_tag``; 422 for a body that is not a valid ``RegisterWorkerPayload``, as
     FastAPI would, but with ``detail`` the ``DecodeError`` text (path and spec section) rather
     than FastAPI's list of errors. Auth is checked before the schema, so an unauthenticated
@@ -199,7 +215,9 @@ def create_app(*, auth_key: Keys | None = None, server_version: int = CURRENT_VE
         raise ValueError("a legacy bootstrap server cannot authenticate registrations")
     app = FastAPI(title="pdwire bootstrap server", docs_url=None, redoc_url=None)
     app.add_middleware(BodyLimit, limit=REGISTER_BODY_LIMIT)  # 4.1-R17
-    app.state.registry = Registry(keep_pdwire_fields=not legacy)
+    app.state.registry = Registry(
+        keep_pdwire_fields=not legacy, max_workers=None if legacy else REFERENCE.registrations
+    )
     counts = Counts()
 
     @app.post("/register", response_model=None)
@@ -230,9 +248,7 @@ def create_app(*, auth_key: Keys | None = None, server_version: int = CURRENT_VE
 
         @app.get("/metrics")
         async def metrics() -> Response:
-            entries = app.state.registry.query().root.values()
-            workers = sum(len(stages) for e in entries for stages in e.worker_addr.values())
-            gauges = {"pdwire_bootstrap_workers": {"": float(workers)}}
+            gauges = {"pdwire_bootstrap_workers": {"": float(app.state.registry.workers)}}
             return Response(render(counts.snapshot(), gauges), media_type=CONTENT_TYPE)
 
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
 import httpx
@@ -31,7 +31,7 @@ from pdwire.planning import target_ranks
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, CURRENT_VERSION, LEGACY, PDWIRE_2
 
-from ..case import CaseFailed, Unsupported, WireLog, expect, given
+from ..case import CaseFailed, Unsupported, WireLog, declared_limit, expect, given
 from ..discovery import discover
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
@@ -57,6 +57,8 @@ class ProducerOptions:
     request_timeout: float = 30.0
     auth_key: bytes | None = None  # the key P shares (§8.6): pdwire/2 pulls and cancels signed
     max_message_bytes: int | None = None  # P's size limit on side-channel messages, when known
+    #: P's limits (chapter 13) by name, those the run was told; the cases past a limit need it
+    limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
     kernel_block_size: int | None = None  # P's attention kernel's, when below its block size
     sliding_window: int | None = None  # the window of P's second KV-cache group (10.4.7)
     mamba: bool = False  # P's odd layers are state-space layers, its KV-cache group 1 (10.6.3)
@@ -383,6 +385,10 @@ class ProducerCtx:
     def max_message_bytes(self) -> int:
         """P's size limit; skips the case when the run was not told it."""
         return given(self.options.max_message_bytes, "P's size limit", "--max-message-bytes")
+
+    def limit(self, name: str) -> int:
+        """P's limit ``name`` (chapter 13); skips the case when the run was not told it."""
+        return declared_limit(self.options.limits, name, "P's")
 
     @property
     def auth_key(self) -> bytes:

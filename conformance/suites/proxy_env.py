@@ -18,12 +18,14 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import httpx
 
-from ..case import Case, CaseFailed, Suite, WireLog, expect
+from pdwire.limits import REFERENCE
+
+from ..case import Case, CaseFailed, Suite, WireLog, declared_limit, expect
 from ..command import TemplateProcess, check, fill, with_env
 from ..peers.backends import MODEL, FakeAPI, FakeBootstrap, Hit
 from ..ports import free_port
@@ -45,6 +47,8 @@ class ProxyOptions:
     request_timeout: float = DEFAULT_REQUEST_TIMEOUT
     start_timeout: float = 20.0  # for the proxy to listen, and to be ready
     dp_ranks: int = 2  # of the fake P
+    #: the proxy's limits (chapter 13) by name, those the run was told
+    limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def check_template(template: str) -> None:
@@ -67,6 +71,7 @@ def reference_options(
         command=with_env(REFERENCE_COMMAND, env or {}),
         key_command=with_env(f"{REFERENCE_COMMAND} --api-key-env {KEY_ENV}", env or {}),
         request_timeout=request_timeout,
+        limits=REFERENCE.as_dict(),
     )
 
 
@@ -251,6 +256,10 @@ class ProxyCtx:
             self.env.world.d.reset()
 
     # -- the client ------------------------------------------------------------------------
+
+    def limit(self, name: str) -> int:
+        """The proxy's limit ``name`` (chapter 13); skips the case when the run was not told it."""
+        return declared_limit(self.options.limits, name, "the proxy's")
 
     def body(self, **fields: Any) -> dict[str, Any]:
         """A completion request with a prompt of its own (how its legs are found)."""

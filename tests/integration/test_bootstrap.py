@@ -26,7 +26,12 @@ from pdwire.auth import canonical_json, key_id, register_tag, sign_registration
 from pdwire.http_models import QueryResponse, RegisterWorkerPayload
 from pdwire.messages import Fingerprint
 from reference_connector import cli_bootstrap
-from reference_connector.bootstrap import AUTH_FAILED_DETAIL, BootstrapServer
+from reference_connector.bootstrap import (
+    AUTH_FAILED_DETAIL,
+    BootstrapServer,
+    RegistrationRejected,
+    Registry,
+)
 from reference_connector.bootstrap_client import BootstrapError, query, register, signed_body
 
 KEY = b"bootstrap-test-key"
@@ -135,6 +140,26 @@ def test_identical_reregistration_is_accepted(http: httpx.Client) -> None:
         response = post(http, worker(0, 0, 0))
         assert (response.status_code, response.json()) == (200, {"status": "ok"})
     assert http.get("/query").json()["0"]["worker_addr"] == {"0": {"0": "tcp://10.0.0.5:41000"}}
+
+
+def test_registrations_past_the_limit_are_507() -> None:
+    """13.6-R1: a new worker past the limit is refused and nothing of it is kept; a worker
+    already held may register again; vLLM's server (no limit) takes any number."""
+    registry = Registry(max_workers=2)
+    registry.register(worker(0, 0, 0))
+    registry.register(worker(1, 0, 0, engine="engine-b"))
+    with pytest.raises(RegistrationRejected) as refused:
+        registry.register(worker(2, 0, 0, engine="engine-c"))
+    assert refused.value.status == 507
+    assert refused.value.detail == (
+        "LIMIT_EXCEEDED: Limit exceeded: registrations allows 2, got 3."
+    )
+    assert sorted(registry.engines) == [0, 1] and registry.workers == 2
+    registry.register(worker(0, 0, 0))
+    unlimited = Registry(keep_pdwire_fields=False, max_workers=None)
+    for tp in range(3):
+        unlimited.register(worker(0, tp, 0))
+    assert unlimited.workers == 3
 
 
 def test_conflicting_address_is_400_with_vllms_string(http: httpx.Client) -> None:

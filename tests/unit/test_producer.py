@@ -27,6 +27,7 @@ from pdwire.events import (
     TransferWillNotSend,
     WriteCompleted,
 )
+from pdwire.limits import Limits
 from pdwire.messages import XferResponseV2
 from pdwire.planning import Side, has_opaque_packed_row
 from pdwire.producer import ProducerConfig, ProducerSession
@@ -844,8 +845,8 @@ def test_bad_input_is_an_error_reply_and_changes_nothing(frame: object) -> None:
 
 
 def test_oversize_message_is_rejected() -> None:
-    """§2.3 limits: a frame above max_message_bytes is answered ERROR without being decoded."""
-    p = Driver(producer(max_message_bytes=64))
+    """§2.3 limits: a frame above the size limit is answered ERROR without being decoded."""
+    p = Driver(producer(limits=Limits(message_bytes=64)))
     data = V2.pull({"r1": ("x1", [[5]])})
     assert len(data) > 64
     reply = only_reply(p(MessageReceived(b"i", data)), b"i")
