@@ -158,7 +158,7 @@ async def undecodable_v2_pull_gets_bad_message(t: ProducerCtx) -> None:
 @case(
     "producer/10.1/1",
     "10.1.4",
-    covers=("10.1.3", "3.3-R4", "7.1-R1"),
+    covers=("10.1.3", "3.3-R4", "7.1-R1", "7.1-R5"),
 )
 async def unpaired_tp_rank_is_an_error(t: ProducerCtx) -> None:
     """A pull whose remote_tp_rank is not paired with the P rank gets ERROR with message #1."""

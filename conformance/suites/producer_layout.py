@@ -32,7 +32,7 @@ def miss_message(worker: DWorker, layout_id: int) -> str:
 @case(
     "producer/3.7/1",
     "3.7-R11",
-    covers=("3.7-R10", "3.4-R15", "3.4-R8", "7.1-R1", "3.3-R2"),
+    covers=("3.7-R10", "3.4-R15", "3.4-R8", "7.1-R1", "3.3-R2", "7.1-R5"),
 )
 async def miss_for_unknown_layout(t: ProducerCtx) -> None:
     """A pull that omits its layout under a layout_id P never saw gets LAYOUT_MISS, its only

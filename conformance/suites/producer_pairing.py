@@ -514,7 +514,7 @@ async def expect_error(
 @case(
     "producer/10.8/3",
     "10.8.11",
-    covers=("10.8.4", "10.8.6", "7.1-R1", "3.3-R4", "9.1-R4"),
+    covers=("10.8.4", "10.8.6", "7.1-R1", "3.3-R4", "9.1-R4", "7.1-R5"),
 )
 async def lengths_must_fit_the_tp_ratio(t: ProducerCtx) -> None:
     """With different TP sizes, region lengths that do not fit the ratio get ERROR with message

@@ -17,6 +17,11 @@ from .producer_env import ProducerCtx
 
 FINISH = XferResponseStatus.FINISH
 SLACK: Final = 1.5  # seconds an expiry may come late (6.3-R8: P may check once per step)
+#: 6.3-R10: the most a pdwire implementation may let an expiry come late, in seconds.
+EXPIRY_BOUND: Final = 1.0
+#: What the harness adds to the time it reads a reply at, on top of that: the connect, the pull's
+#: and the reply's way over loopback, its own loop.
+DELIVERY: Final = 0.25
 EARLY: Final = 0.9  # an expiry may not come before this share of its time
 #: The least margin, in seconds, between the moments producer/6.3/3 tells apart.
 MIN_MARGIN: Final = 0.25
