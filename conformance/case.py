@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -73,6 +74,30 @@ def given(value: T | None, what: str, flag: str) -> T:
     if value is None:
         raise Skip(f"{what} is unknown: pass {flag}")
     return value
+
+
+def limits_from_file(path: str | None) -> dict[str, int]:
+    """The testee's limits in the JSON file ``path`` (``--limits``), by the names of chapter
+    13; none without a path. ``ValueError`` says what is wrong with the file."""
+    from pdwire.limits import Limits
+
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--limits {path}: {exc}") from None
+    if not isinstance(doc, dict) or not all(type(v) is int for v in doc.values()):
+        raise ValueError(f"--limits {path} must hold a JSON object of integers")
+    known = set(Limits().as_dict())
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ValueError(
+            f"--limits {path} names no limit {', '.join(unknown)}; known: "
+            f"{', '.join(sorted(known))}"
+        )
+    return doc
 
 
 def declared_limit(limits: Mapping[str, int], name: str, whose: str) -> int:

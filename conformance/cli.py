@@ -496,27 +496,14 @@ def _limits(p: argparse.ArgumentParser, role: str) -> None:
     )
 
 
-def read_limits(args: argparse.Namespace) -> dict[str, int]:
-    """The limits of ``--limits``, checked against the names of chapter 13."""
-    from pdwire.limits import Limits
+def read_limits(path: str | None) -> dict[str, int]:
+    """The limits of ``--limits``; exits with the reason when the file is not valid."""
+    from .case import limits_from_file
 
-    if not args.limits:
-        return {}
-    known = set(Limits().as_dict())
     try:
-        with open(args.limits, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"pdwire conformance: --limits {args.limits}: {exc}") from None
-    if not isinstance(doc, dict) or not all(type(v) is int for v in doc.values()):
-        raise SystemExit("pdwire conformance: --limits must hold a JSON object of integers")
-    unknown = sorted(set(doc) - known)
-    if unknown:
-        raise SystemExit(
-            f"pdwire conformance: --limits names no limit {', '.join(unknown)}; known: "
-            f"{', '.join(sorted(known))}"
-        )
-    return doc
+        return limits_from_file(path)
+    except ValueError as exc:
+        raise SystemExit(f"pdwire conformance: {exc}") from None
 
 
 def read_auth_key(args: argparse.Namespace) -> bytes | None:
@@ -556,7 +543,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
         max_message_bytes=args.max_message_bytes,
-        limits=read_limits(args),
+        limits=read_limits(args.limits),
         kernel_block_size=args.kernel_block_size,
         sliding_window=args.sliding_window,
         mamba=args.mamba,
@@ -639,7 +626,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
         command=args.command,
         key_command=args.key_command,
         request_timeout=args.timeout,
-        limits=read_limits(args),
+        limits=read_limits(args.limits),
     )
     testee = {"role": "proxy", "command": args.command}
     return _run(

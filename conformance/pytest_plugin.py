@@ -35,7 +35,7 @@ import pytest
 
 from pdwire.sim.geometry import KV_LAYOUT_HELP, KV_LAYOUTS
 
-from .case import Case, Suite, Verdict, WireLog, all_cases
+from .case import Case, Suite, Verdict, WireLog, all_cases, limits_from_file
 from .runner import (
     Result,
     RunOptions,
@@ -168,6 +168,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="S",
         help="seconds for --pdwire-restart-command and the testee's return together (600)",
     )
+    group.addoption(
+        "--pdwire-limits",
+        metavar="PATH",
+        help="a JSON object of the testee's limits by name (chapter 13), as pdwire conformance "
+        "--limits takes it; the cases past a limit are skipped without it",
+    )
     group.addoption("--pdwire-strict", action="store_true", help="a failed SHOULD case fails")
     group.addoption(
         "--pdwire-cases",
@@ -262,6 +268,10 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
     abort = config.getoption("--pdwire-abort-timeout")
     lease = config.getoption("--pdwire-kv-lease-duration")
     timeout = float(config.getoption("--pdwire-timeout"))
+    try:
+        limits = limits_from_file(config.getoption("--pdwire-limits"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
     if suite is Suite.PRODUCER:
         from .suites.producer_env import ProducerCtx, ProducerEnv, ProducerOptions
 
@@ -279,6 +289,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
                 packed_rows=config.getoption("--pdwire-packed-rows"),
                 opaque_rows=config.getoption("--pdwire-opaque-rows"),
                 kv_layout=config.getoption("--pdwire-kv-layout"),
+                limits=limits,
             )
         )
         return penv, lambda log: ProducerCtx(penv, log)
@@ -299,7 +310,7 @@ def _open(suite: Suite, target: str, config: pytest.Config) -> tuple[Any, Callab
     if suite is Suite.PROXY:
         from .suites.proxy_env import ProxyCtx, ProxyEnv, ProxyOptions
 
-        xenv = ProxyEnv(ProxyOptions(command=target, request_timeout=timeout))
+        xenv = ProxyEnv(ProxyOptions(command=target, request_timeout=timeout, limits=limits))
         return xenv, lambda log: ProxyCtx(xenv, log)
     if suite is Suite.REGISTRATION:
         from .suites.registration_env import (

@@ -92,6 +92,8 @@ KERNEL_WINDOW: Final = Layout(
     prefill_tp=1, kernel_block_size=testees.BLOCK_SIZE // 2, sliding_window=testees.BLOCK_SIZE
 )
 #: The testee of the cases of a state-space KV-cache group and of packed rows: one P for both.
+#: The case that fills P's bootstrap server to its limit (13.6-R1) runs there too, last, since
+#: no case after it may need to register: a layout with no other suite, and no start of its own.
 PACKED_MAMBA: Final = Layout(prefill_tp=1, mamba=True, packed_rows=True)
 #: The testee of the cases of packed rows registered whole, one region both KV-cache groups of a
 #: sliding-window model share.
@@ -111,6 +113,7 @@ LAYOUTS: Final[dict[str, Layout]] = {
     "consumer/10.10/5": KERNEL_WINDOW,
     "producer/10.6/3": PACKED_MAMBA,
     "producer/10.7/3": PACKED_MAMBA,
+    "producer/13.6/1": PACKED_MAMBA,
     "producer/10.6/4": OPAQUE,
     "producer/10.2/4": OPAQUE,
     **{

@@ -3,6 +3,7 @@ proxy mutant fails the case that names it."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from conformance import cli
 from conformance.command import with_env
 from conformance.suites.proxy_env import KEY_ENV, REFERENCE_COMMAND
 from mutants import preload
+from pdwire.limits import REFERENCE
 from tests import suite_report
 
 pytestmark = pytest.mark.conformance
@@ -27,7 +29,11 @@ def test_reference_proxy_passes_every_case(
 ) -> None:
     start = time.monotonic()
     key_command = f"{REFERENCE_COMMAND} --api-key-env {KEY_ENV}"
-    code, doc = _run(tmp_path, REFERENCE_COMMAND, "--key-command", key_command)
+    limits = tmp_path / "limits.json"
+    limits.write_text(json.dumps(REFERENCE.as_dict()))
+    code, doc = _run(
+        tmp_path, REFERENCE_COMMAND, "--key-command", key_command, "--limits", str(limits)
+    )
     elapsed = time.monotonic() - start
     out = capsys.readouterr().out
     verdicts = {c["id"]: (c["verdict"], c["detail"]) for c in doc["cases"]}
