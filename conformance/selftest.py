@@ -351,22 +351,41 @@ async def _run_layouts(
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    """``cases`` against the testbed of each layout they need, one layout after another."""
+    """``cases`` against the testbed of each layout they need, one layout after another. The
+    next layout's testees start while the cases of one run, and a layout's testees stop while
+    the next one's run: starting and stopping are mostly waiting for processes."""
     results: list[Result] = []
     stopping: list[asyncio.Task[None]] = []
+    plan = [(layout, roles_for(mine), mine) for layout, mine in by_layout(cases).items()]
+    starting = [asyncio.create_task(_started(layout, roles)) for layout, roles, _ in plan[:1]]
     try:
-        for layout, mine in by_layout(cases).items():
-            bed = Testbed(layout)
+        for i, (_, _, mine) in enumerate(plan):
+            bed = await starting[i]
+            if i + 1 < len(plan):
+                layout, roles, _ = plan[i + 1]
+                starting.append(asyncio.create_task(_started(layout, roles)))
             try:
-                await bed.start(roles_for(mine))
                 results += await run_suites(bed, mine, options, on_result, timeout)
             finally:
-                # A layout's testees stop while the next one's start: a stop is mostly waiting
-                # for processes to exit.
                 stopping.append(asyncio.create_task(bed.stop()))
     finally:
+        for task in starting[len(stopping) :]:  # started, or starting, and never run
+            with contextlib.suppress(BaseException):  # one that failed stopped its nodes
+                stopping.append(asyncio.create_task((await task).stop()))
         await asyncio.gather(*stopping)
     return results
+
+
+async def _started(layout: Layout, roles: set[Role]) -> Testbed:
+    """A testbed of ``layout`` with the nodes of ``roles`` running; none left running when one
+    fails to start."""
+    bed = Testbed(layout)
+    try:
+        await bed.start(roles)
+    except BaseException:
+        await bed.stop()
+        raise
+    return bed
 
 
 async def run_self(
