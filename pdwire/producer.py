@@ -814,6 +814,12 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         if over is not None:
             self._reply_error(ev.identity, agreement, over[0], over[1])
             return
+        side = self.config.side
+        try:
+            paired = len(target_ranks(side.tp_size, side.tp_rank, cancel.remote_tp_size))
+        except ValueError as exc:  # TP sizes that do not divide: that D pulled nothing (10.1.1)
+            self._reply_error(ev.identity, agreement, ErrorCode.TP_RANK_NOT_PAIRED, str(exc))
+            return
         peer = (cancel.remote_hostname, cancel.remote_port, cancel.remote_tp_rank)
         writing = [
             p
@@ -825,8 +831,6 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         if writing:  # answer only once those writes are done (3.5-R10)
             self._deferred_cancels.setdefault(writing[0].key, []).append(ev)
             return
-        side = self.config.side
-        paired = len(target_ranks(side.tp_size, side.tp_rank, cancel.remote_tp_size))
         pp = cancel.remote_pp_size
         need_send = paired * (pp if pp > 1 and pp != side.pp_size else 1)
         cancelled: list[str] = []

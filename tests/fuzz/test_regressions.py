@@ -10,7 +10,16 @@ import pytest
 from fuzz.runner import REGRESSIONS
 from fuzz.targets import TARGETS
 from fuzz.world import GEOM
-from pdwire import DecodeError, EngineEntry, LocalProtocolError, decode_message, detect_kind
+from pdwire import (
+    DecodeError,
+    EngineEntry,
+    LocalProtocolError,
+    XferResponseStatus,
+    decode_message,
+    decode_response,
+    detect_kind,
+    encode_cancel,
+)
 from pdwire.consumer import ConsumerConfig, ConsumerSession
 from pdwire.events import (
     AbortRequested,
@@ -18,12 +27,15 @@ from pdwire.events import (
     EngineResolved,
     LoadRequest,
     LoadsRequested,
+    MessageReceived,
     ReplyReceived,
     RequestFailed,
     SendPull,
+    SendReply,
     TimePassed,
 )
 from pdwire.messages import XferCancel
+from pdwire.producer import ProducerConfig, ProducerSession
 
 INPUTS = sorted(p for p in REGRESSIONS.glob("*/*") if p.is_file())
 
@@ -115,3 +127,26 @@ def test_a_request_aborted_while_resolving_leaves_no_stale_waiter() -> None:
     out = c.handle(EngineResolved("e0", ENTRY), 101.0)
     pulls = [o for o in out if isinstance(o, SendPull)]
     assert len(pulls) == 1 and list(pulls[0].message.req_blocks) == ["d0"]  # type: ignore[union-attr]
+
+
+def test_a_cancel_whose_tp_size_does_not_divide_ps_is_refused() -> None:
+    """A cancel naming a TP size that does not divide P's, or that P's does not divide, made
+    P's session raise ValueError while it counted the D ranks paired with it; it is answered
+    ERROR with vLLM's text of 10.1.1 and the code TP_RANK_NOT_PAIRED, and changes nothing."""
+    p = ProducerSession(ProducerConfig(side=GEOM.side(4, 0, 1, 0, worker=0)))
+    cancel = XferCancel(
+        pdwire_version=2,
+        remote_hostname="d",
+        remote_port=1,
+        remote_tp_size=127,
+        remote_tp_rank=0,
+        cancel_reqs={"r": "x"},
+    )
+    out = p.handle(MessageReceived(b"c", encode_cancel(cancel)), 0.0)
+    (reply,) = [decode_response(o.data) for o in out if isinstance(o, SendReply)]
+    assert reply.status is XferResponseStatus.ERROR
+    assert reply.err_code == "TP_RANK_NOT_PAIRED"
+    assert reply.err_msg == (
+        "Remote tensor parallel size 127 is not divisible by local tensor parallel size 4."
+    )
+    assert p.state_of("x") is None
