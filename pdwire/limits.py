@@ -7,6 +7,7 @@ import dataclasses
 from typing import Final
 
 from . import error_strings as msgs
+from .codec import DEFAULT_MAX_MESSAGE_BYTES
 from .http_models import MAX_REGISTER_BODY_BYTES
 
 MiB: Final = 1024 * 1024
@@ -31,7 +32,7 @@ class Limits:
     #: Workers one bootstrap server holds registered (13.6).
     registrations: int = 1024
     #: Bytes of one side-channel message (§2.3).
-    message_bytes: int = 64 * MiB
+    message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     #: Bytes of one ``/register`` body (4.1-R17).
     register_body_bytes: int = MAX_REGISTER_BODY_BYTES
     #: Bytes of one completion request's body, at the proxy and at P's and D's servers (13.7).
@@ -41,20 +42,18 @@ class Limits:
         return dataclasses.asdict(self)
 
 
-_MINIMUMS: Final = {
-    "requests_per_message": 1024,
-    "open_pulls_per_peer": 64,
-    "placeholders_per_peer": 1024,
-    "remembered_cancels_per_peer": 1024,
-    "cached_layouts": 64,
-    "registrations": 1024,
-    "message_bytes": 16 * MiB,
-    "register_body_bytes": 16 * 1024,
-    "completion_body_bytes": 4 * MiB,
-}
-
 #: The least every implementation supports (§13.1).
-MINIMUM: Final = Limits(**_MINIMUMS)
+MINIMUM: Final = Limits(
+    requests_per_message=1024,
+    open_pulls_per_peer=64,
+    placeholders_per_peer=1024,
+    remembered_cancels_per_peer=1024,
+    cached_layouts=64,
+    registrations=1024,
+    message_bytes=16 * MiB,
+    register_body_bytes=MAX_REGISTER_BODY_BYTES,
+    completion_body_bytes=4 * MiB,
+)
 #: The reference implementation's limits.
 REFERENCE: Final = Limits()
 

@@ -64,6 +64,12 @@ _OTHER_KEYS: Final = tuple(
 Peer = tuple[str, int, int]  # D worker: (remote_hostname, remote_port, remote_tp_rank)
 _K = TypeVar("_K")
 
+#: The limit that counts each state P remembers for a D worker that made it (§13.4).
+_MADE_LIMITS: Final = {
+    S.PLACEHOLDER: "placeholders_per_peer",
+    S.CANCELLED: "remembered_cancels_per_peer",
+}
+
 _TOMBSTONE_CODES: Final = {
     S.NOT_SENT: (ErrorCode.WILL_NOT_SEND, msgs.WILL_NOT_SEND),
     S.EXPIRED: (ErrorCode.EXPIRED, msgs.EXPIRED),
@@ -225,29 +231,29 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         t.expire_at = self._now + self.config.abort_timeout
         self._push(t.expire_at, "transfer", t.transfer_id)
 
-    def _make(self, transfer_id: str, event: TransferEvent, peer: Peer) -> _Transfer | None:
+    def _make(self, transfer_id: str, event: TransferEvent, peer: Peer) -> _Transfer:
         """A remembered state for a transfer P holds nothing for, made by ``peer``'s pull (a
-        placeholder) or cancel; None when that peer already holds its limit of them (§13.4)."""
-        state = TRANSFER_TRANSITIONS[(None, event)]
-        if self._made_per_peer[(state, peer)] >= self._made_limit(state):
-            return None
+        placeholder) or cancel, and counted against that peer's limit (§13.4)."""
         t = self._transfers[transfer_id] = _Transfer(transfer_id)
         self._remember(t)
         self._move(t, event)
+        assert t.state is not None
         t.made_by = peer
-        self._made_per_peer[(state, peer)] += 1
+        self._made_per_peer[(t.state, peer)] += 1
         return t
 
-    def _made_limit(self, state: TransferState) -> int:
-        limits = self.limits
-        if state is S.PLACEHOLDER:
-            return limits.placeholders_per_peer
-        return limits.remembered_cancels_per_peer
+    def _past(self, limit: str, value: int) -> tuple[ErrorCode, str] | None:
+        """The refusal of what would bring the count of ``limit`` to ``value``, when that is
+        past this P's limit (13.1-R3)."""
+        maximum: int = getattr(self.limits, limit)
+        if value <= maximum:
+            return None
+        return ErrorCode.LIMIT_EXCEEDED, exceeded(limit, value, maximum)
 
-    def _made_exceeded(self, state: TransferState, peer: Peer) -> tuple[ErrorCode, str]:
-        name = "placeholders_per_peer" if state is S.PLACEHOLDER else "remembered_cancels_per_peer"
-        held = self._made_per_peer[(state, peer)]
-        return ErrorCode.LIMIT_EXCEEDED, exceeded(name, held + 1, self._made_limit(state))
+    def _past_made(self, event: TransferEvent, peer: Peer) -> tuple[ErrorCode, str] | None:
+        """The refusal of one more state ``event`` would make for ``peer`` (§13.4)."""
+        state = TRANSFER_TRANSITIONS[(None, event)]
+        return self._past(_MADE_LIMITS[state], self._made_per_peer[(state, peer)] + 1)
 
     @staticmethod
     def _uncount(counter: Counter[_K], key: _K) -> None:
@@ -486,10 +492,11 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             seen.add(transfer_id)
             t = self._transfers.get(transfer_id)
             if t is None:  # a placeholder, which expires (§10.11.4)
-                t = self._make(transfer_id, E.PULL_NAMED, pull.peer)
-                if t is None:
-                    pull.err[d_req] = self._made_exceeded(S.PLACEHOLDER, pull.peer)
+                refused = self._past_made(E.PULL_NAMED, pull.peer)
+                if refused is not None:
+                    pull.err[d_req] = refused
                     continue
+                t = self._make(transfer_id, E.PULL_NAMED, pull.peer)
             else:
                 self._move(t, E.PULL_NAMED)
             if not self._binds(t, d_req):
@@ -518,16 +525,12 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         """The checks of §10.4.1 that come before the layout, in order."""
         if not self._authentic(msg):
             return ErrorCode.AUTH_FAILED, msgs.AUTH_FAILED, Status.ERROR
-        limits = self.limits
-        over = self._too_many(len(msg.req_blocks))
-        if over is not None:
-            return over
         peer = (msg.remote_hostname, msg.remote_port, msg.remote_tp_rank)
-        if self._open_per_peer[peer] >= limits.open_pulls_per_peer:
-            message = exceeded(
-                "open_pulls_per_peer", self._open_per_peer[peer] + 1, limits.open_pulls_per_peer
-            )
-            return ErrorCode.LIMIT_EXCEEDED, message, Status.ERROR
+        over = self._past("requests_per_message", len(msg.req_blocks)) or self._past(
+            "open_pulls_per_peer", self._open_per_peer[peer] + 1
+        )
+        if over is not None:
+            return (*over, Status.ERROR)
         fp = self.config.fingerprint
         if fp is not None and msg.fingerprint is not None and msg.fingerprint != fp:
             fields = ", ".join(fp.differing_fields(msg.fingerprint))
@@ -547,14 +550,6 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             )
             return ErrorCode.TP_RANK_NOT_PAIRED, message, Status.ERROR
         return self._check_stages(msg)
-
-    def _too_many(self, entries: int) -> tuple[ErrorCode, str, Status] | None:
-        """13.2: a pull, cancel or renewal that lists more entries than P accepts."""
-        maximum = self.limits.requests_per_message
-        if entries <= maximum:
-            return None
-        message = exceeded("requests_per_message", entries, maximum)
-        return ErrorCode.LIMIT_EXCEEDED, message, Status.ERROR
 
     def _check_stages(self, msg: XferMetadataV2) -> tuple[ErrorCode, str, Status] | None:
         """The PP checks of a pull whose TP rank is paired: §10.2.8, then §10.11.11."""
@@ -785,9 +780,9 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
         if lease is None:
             self._reply_error(ev.identity, None, ErrorCode.BAD_MESSAGE, msgs.LEASE_NOT_SET)
             return
-        over = self._too_many(len(heartbeat.lease_transfer_ids))
+        over = self._past("requests_per_message", len(heartbeat.lease_transfer_ids))
         if over is not None:
-            self._reply_error(ev.identity, None, over[0], over[1])
+            self._reply_error(ev.identity, None, *over)
             return
         renewed_until = now + lease * 2 / 3
         for transfer_id in heartbeat.lease_transfer_ids:
@@ -810,9 +805,9 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
             message = "XferCancel is not accepted: this P did not announce 'cancel'."
             self._reply_error(ev.identity, agreement, ErrorCode.BAD_MESSAGE, message)
             return
-        over = self._too_many(len(cancel.cancel_reqs))
+        over = self._past("requests_per_message", len(cancel.cancel_reqs))
         if over is not None:
-            self._reply_error(ev.identity, agreement, over[0], over[1])
+            self._reply_error(ev.identity, agreement, *over)
             return
         side = self.config.side
         try:
@@ -848,10 +843,11 @@ class ProducerSession(Session[ProducerInput, ProducerOutput]):
                     touched.append(p)
                     held = True
             if t is None:  # applied if P records the request later (3.5-R16)
-                t = self._make(transfer_id, E.CANCELLED, peer)
-                if t is None:
-                    refused[d_req] = self._made_exceeded(S.CANCELLED, peer)
+                past = self._past_made(E.CANCELLED, peer)
+                if past is not None:
+                    refused[d_req] = past
                     continue
+                t = self._make(transfer_id, E.CANCELLED, peer)
             else:
                 t.waiting.difference_update(p.key for p in touched)
                 self._move(t, E.CANCELLED)

@@ -10,7 +10,7 @@ import pytest
 from pdwire import ErrorCode, XferResponseStatus
 from pdwire.codec import encode_heartbeat
 from pdwire.events import MessageReceived, TransferStarted
-from pdwire.limits import MINIMUM, REFERENCE, Limits, exceeded
+from pdwire.limits import MINIMUM, REFERENCE, exceeded
 from pdwire.messages import LeaseHeartbeat
 from pdwire.producer import ProducerSession
 from pdwire.transitions import TransferState
@@ -139,7 +139,3 @@ def test_cached_layouts_are_bounded() -> None:
     hit = only_reply(p(MessageReceived(b"h", second.pull({}, with_layout=False)), 4), b"h")
     assert hit.status is FINISH
     assert len(p.session._plans) <= 1
-
-
-def test_limits_dict_names_every_limit() -> None:
-    assert set(Limits().as_dict()) == {f.name for f in dataclasses.fields(Limits)}
