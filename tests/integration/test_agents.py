@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import random
 import statistics
@@ -433,6 +434,53 @@ def test_round_trip_of_a_ready_request(
         times[int(len(times) * 0.9)] * 1e6,
         times[-1] * 1e6,
     )
+
+
+def test_writes_to_one_d_worker_run_in_turn_and_a_held_one_holds_up_no_other(
+    make_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P writes to one D worker one batch at a time, and to two side by side: while its
+    writes to D rank 0 are held in the engine, the ones queued behind them wait, and D rank 1
+    loads every request."""
+    c = make_cluster(PDWIRE_2, 1, 2)
+    transport = c.producers[0].transport
+    held_peer = c.consumers[0].memory.transport.session
+    release = threading.Event()
+    lock = threading.Lock()
+    spans: list[tuple[str, float, float]] = []
+    started: collections.Counter[str] = collections.Counter()
+    real_write = transport.write
+
+    def write(peer: str, descriptors: Any) -> int:
+        t0 = time.perf_counter()
+        with lock:
+            started[peer] += 1
+        if peer == held_peer:
+            assert release.wait(WAIT), "the held writes were never released"
+        status = real_write(peer, descriptors)
+        with lock:
+            spans.append((peer, t0, time.perf_counter()))
+        return status
+
+    monkeypatch.setattr(transport, "write", write)
+    reqs = [c.new_request() for _ in range(3)]
+    c.started(reqs)
+    c.finished(reqs)
+    try:
+        for r in reqs:  # a pull each, one after another: three writes to each D worker
+            c.load([r])
+            c.consumers[1].inbox.wait([f"loaded:{r.d_req}"])
+        with lock:
+            assert started[held_peer] == 1, started
+    finally:
+        release.set()
+    c.wait_loaded(reqs)
+    c.check_bytes(reqs)
+    with lock:
+        for peer in {p for p, _, _ in spans}:
+            mine = sorted((t0, t1) for p, t0, t1 in spans if p == peer)
+            assert len(mine) == 3, spans
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(mine)), f"{peer} overlapped"
 
 
 # -- requests P will not send ----------------------------------------------------------------
