@@ -6,6 +6,7 @@ listed case that passes fails the run, so the lists stay true."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,8 @@ KILLS_P = "producer/3.1/2"
 NO_LEASE = "producer/6.4/4"
 #: vLLM's receive timeout is VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s, too long to wait here.
 SLOW = "consumer/3.1/2"
+#: Lines of a testee's log that a failed test shows.
+LOG_LINES = 150
 
 
 def _node(role: Role, release: str, *extra: str) -> testees.Testee:
@@ -77,6 +80,17 @@ def decode(release: str) -> Iterator[testees.Testee]:
     d.stop()
 
 
+@contextlib.contextmanager
+def _logs_on_failure(*nodes: testees.Testee) -> Iterator[None]:
+    """A failed assertion, raised again with the tail of each node's log: a case that fails
+    once in many runs is diagnosed from CI's output, and the log goes when the node stops."""
+    try:
+        yield
+    except AssertionError as exc:
+        tails = "".join(f"\n--- {n.role} node's log ---\n{n.log_tail(LOG_LINES)}" for n in nodes)
+        raise AssertionError(f"{exc}{tails}") from exc
+
+
 def _known(release: str, suite: str) -> Path:
     major_minor = release.rsplit(".", 1)[0]
     return KNOWN / f"vllm-{major_minor}-{suite}.txt"
@@ -106,36 +120,40 @@ def _producer_args(p: testees.Testee, release: str, lease: float) -> list[str]:
 
 
 def test_producer_suite_against_vllm(release: str, prefill: testees.Testee, tmp_path: Path) -> None:
-    leased = release in LEASED
-    base = _producer_args(prefill, release, LEASE if leased else 0)
-    skip = (KILLS_P, NO_LEASE) if leased else (KILLS_P,)
-    code, verdicts = _run(tmp_path, "producer", [*base, "--cases", _ids("producer", *skip)])
-    assert code == cli.EXIT_OK, {i: v for i, v in verdicts.items() if v == "fail"}
-    assert verdicts["producer/3.4/1"] == "pass"  # vLLM's P serves a transfer as the spec says
-    if leased:  # vLLM's own lease, renewals and expired answers (§6.4)
-        lease_cases = ("producer/6.4/1", "producer/6.4/2", "producer/6.4/3", "producer/3.9/1")
-        assert {c: verdicts[c] for c in lease_cases} == dict.fromkeys(lease_cases, "pass")
-        plain = _node("prefill", release)
-        try:
-            code, verdicts = _run(
-                tmp_path,
-                "no-lease",
-                [*_producer_args(plain, release, 0), "--cases", NO_LEASE],
-            )
-        finally:
-            plain.stop()
-        assert code == cli.EXIT_OK and verdicts == {NO_LEASE: "pass"}, verdicts
-    code, verdicts = _run(tmp_path, "kill", [*base, "--cases", KILLS_P])
-    assert code == cli.EXIT_OK and verdicts == {KILLS_P: "fail"}
+    with _logs_on_failure(prefill):
+        leased = release in LEASED
+        base = _producer_args(prefill, release, LEASE if leased else 0)
+        skip = (KILLS_P, NO_LEASE) if leased else (KILLS_P,)
+        code, verdicts = _run(tmp_path, "producer", [*base, "--cases", _ids("producer", *skip)])
+        assert code == cli.EXIT_OK, {i: v for i, v in verdicts.items() if v == "fail"}
+        assert verdicts["producer/3.4/1"] == "pass"  # vLLM's P serves a transfer as the spec says
+        if leased:  # vLLM's own lease, renewals and expired answers (§6.4)
+            lease_cases = ("producer/6.4/1", "producer/6.4/2", "producer/6.4/3", "producer/3.9/1")
+            assert {c: verdicts[c] for c in lease_cases} == dict.fromkeys(lease_cases, "pass")
+            plain = _node("prefill", release)
+            try:
+                code, verdicts = _run(
+                    tmp_path,
+                    "no-lease",
+                    [*_producer_args(plain, release, 0), "--cases", NO_LEASE],
+                )
+            finally:
+                plain.stop()
+            assert code == cli.EXIT_OK and verdicts == {NO_LEASE: "pass"}, verdicts
+        code, verdicts = _run(tmp_path, "kill", [*base, "--cases", KILLS_P])
+        assert code == cli.EXIT_OK and verdicts == {KILLS_P: "fail"}
 
 
 def test_consumer_suite_against_vllm(release: str, decode: testees.Testee, tmp_path: Path) -> None:
-    args = [
-        "consumer", "--api", decode.url, "--abort-timeout", str(ABORT),
-        "--known-failing", str(_known(release, "consumer")), "--cases", _ids("consumer", SLOW),
-    ]  # fmt: skip
-    code, verdicts = _run(tmp_path, "consumer", args)
-    assert code == cli.EXIT_OK, {i: v for i, v in verdicts.items() if v == "fail"}
-    assert verdicts["consumer/3.4/2"] == "pass"
-    # vLLM's worker code sends the release-only pull the node asks for (§10.10.8)
-    assert verdicts["consumer/10.10/4"] == "pass", _detail(tmp_path, "consumer", "consumer/10.10/4")
+    with _logs_on_failure(decode):
+        args = [
+            "consumer", "--api", decode.url, "--abort-timeout", str(ABORT),
+            "--known-failing", str(_known(release, "consumer")), "--cases", _ids("consumer", SLOW),
+        ]  # fmt: skip
+        code, verdicts = _run(tmp_path, "consumer", args)
+        assert code == cli.EXIT_OK, {i: v for i, v in verdicts.items() if v == "fail"}
+        assert verdicts["consumer/3.4/2"] == "pass"
+        # vLLM's worker code sends the release-only pull the node asks for (§10.10.8)
+        assert verdicts["consumer/10.10/4"] == "pass", _detail(
+            tmp_path, "consumer", "consumer/10.10/4"
+        )
