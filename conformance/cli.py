@@ -167,8 +167,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--max-message-bytes",
         type=int,
         metavar="N",
-        help="P's size limit on side-channel messages (pdwire's default: 67108864); the case "
-        "of a message over the limit is skipped without it",
+        help="P's size limit on side-channel messages (pdwire's default: 67108864): the same "
+        "as message_bytes in --limits; the case of a message over the limit is skipped "
+        "without either",
     )
     _auth_key(prod, "P")
     _limits(prod, "P")
@@ -506,6 +507,20 @@ def read_limits(path: str | None) -> dict[str, int]:
         raise SystemExit(f"pdwire conformance: {exc}") from None
 
 
+def with_size_limit(limits: dict[str, int], max_message_bytes: int | None) -> dict[str, int]:
+    """``limits`` with ``--max-message-bytes`` as its ``message_bytes``; exits when the two
+    name different sizes."""
+    if max_message_bytes is None:
+        return limits
+    declared = limits.get("message_bytes", max_message_bytes)
+    if declared != max_message_bytes:
+        raise SystemExit(
+            f"pdwire conformance: --max-message-bytes {max_message_bytes} and message_bytes "
+            f"{declared} in --limits differ: give P's size limit once"
+        )
+    return {**limits, "message_bytes": max_message_bytes}
+
+
 def read_auth_key(args: argparse.Namespace) -> bytes | None:
     """The key of ``--auth-key-file``: the file's bytes less a trailing newline."""
     from pdwire.auth import read_key_file
@@ -542,8 +557,7 @@ def producer_options(args: argparse.Namespace) -> Any:
         kv_lease_duration=args.kv_lease_duration,
         request_timeout=args.timeout,
         auth_key=read_auth_key(args),
-        max_message_bytes=args.max_message_bytes,
-        limits=read_limits(args.limits),
+        limits=with_size_limit(read_limits(args.limits), args.max_message_bytes),
         kernel_block_size=args.kernel_block_size,
         sliding_window=args.sliding_window,
         mamba=args.mamba,

@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
-from pdwire.codec import DEFAULT_MAX_MESSAGE_BYTES
 from pdwire.limits import REFERENCE
 from pdwire.roles import Role
 from pdwire.sim.geometry import Geometry
@@ -295,7 +294,6 @@ async def run_suites(
             kv_lease_duration=bed.layout.lease,
             request_timeout=timeout,
             auth_key=bed.auth_key,
-            max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
             limits=REFERENCE.as_dict(),
         )
         results += await run_producer(popts, cases, options, on_result)

@@ -520,7 +520,7 @@ async def release_only_stays_empty(t: ProducerCtx, worker: DWorker) -> None:
 async def rejects_a_message_over_its_limit(t: ProducerCtx) -> None:
     """A pull one byte longer than P's size limit (made long by an unknown key) is answered
     with one `ERROR` and not served; P then serves pulls as before. Skipped unless the run is
-    told P's limit (``--max-message-bytes``)."""
+    told P's limit (``--max-message-bytes``, or ``message_bytes`` in ``--limits``)."""
     limit = t.max_message_bytes
     worker = t.worker(1, 0)
     (tid,) = await t.ready(1, TOKENS)

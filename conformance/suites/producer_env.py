@@ -56,7 +56,6 @@ class ProducerOptions:
     prompt_tokens: int = 40  # the default prompt length
     request_timeout: float = 30.0
     auth_key: bytes | None = None  # the key P shares (§8.6): pdwire/2 pulls and cancels signed
-    max_message_bytes: int | None = None  # P's size limit on side-channel messages, when known
     #: P's limits (chapter 13) by name, those the run was told; the cases past a limit need it
     limits: Mapping[str, int] = dataclasses.field(default_factory=dict)
     kernel_block_size: int | None = None  # P's attention kernel's, when below its block size
@@ -383,8 +382,12 @@ class ProducerCtx:
 
     @property
     def max_message_bytes(self) -> int:
-        """P's size limit; skips the case when the run was not told it."""
-        return given(self.options.max_message_bytes, "P's size limit", "--max-message-bytes")
+        """P's size limit (``message_bytes``); skips the case when the run was not told it."""
+        return given(
+            self.options.limits.get("message_bytes"),
+            "P's size limit",
+            "--max-message-bytes or message_bytes in --limits",
+        )
 
     def limit(self, name: str) -> int:
         """P's limit ``name`` (chapter 13); skips the case when the run was not told it."""
