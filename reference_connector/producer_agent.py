@@ -296,7 +296,7 @@ class ProducerAgent:
 
     @property
     def writes(self) -> int:
-        """Batch writes started."""
+        """Batch writes the session asked for (those queued behind another included)."""
         return self._writes
 
     @property
@@ -397,6 +397,8 @@ class ProducerAgent:
             self._executor.submit(self._write_in_turn, write)
         except RuntimeError:  # the executor is shut down: the agent is stopping
             logger.warning("%s: write %d not started: stopping", self._address, write.write_id)
+            with self._queued_lock:
+                del self._queued[write.peer]
 
     def _write_in_turn(self, write: StartWrite) -> None:
         """On a sender thread: ``write``, then each write queued behind it to its D worker."""
