@@ -693,11 +693,16 @@ def cmd_self(args: argparse.Namespace) -> int:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m conformance.cli ...`` (the same as ``pdwire conformance ...``)."""
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """``pdwire conformance ARGV...`` parsed."""
     parser = argparse.ArgumentParser(prog="pdwire")
     add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["conformance", *(sys.argv[1:] if argv is None else argv)])
+    return parser.parse_args(["conformance", *argv])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m conformance.cli ...`` (the same as ``pdwire conformance ...``)."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     code: int = args.func(args)
     return code
 

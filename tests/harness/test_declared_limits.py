@@ -3,7 +3,6 @@ which ``--max-message-bytes`` also gives."""
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -16,10 +15,7 @@ BASE = ["producer", "--api", "http://127.0.0.1:1", "--bootstrap", "http://127.0.
 
 
 def _producer_limits(*extra: str) -> dict[str, int]:
-    parser = argparse.ArgumentParser(prog="pdwire")
-    cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["conformance", *BASE, *extra])
-    limits: dict[str, int] = cli.producer_options(args).limits
+    limits: dict[str, int] = cli.producer_options(cli.parse_args([*BASE, *extra])).limits
     return limits
 
 
