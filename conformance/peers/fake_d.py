@@ -63,6 +63,7 @@ class PullResult:
     timed_out: bool  # no terminal reply within the wait
     elapsed: float
     sent_tag: bytes | None = None  # the auth_tag of what was sent, which signed replies cover
+    started: float = 0.0  # monotonic, when the pull was sent; a reply's t counts from here
 
     @property
     def terminal(self) -> XferResponseV2 | None:
@@ -323,7 +324,7 @@ async def exchange(
         sock.close(linger=0)
     if timed_out:
         log.note(f"no terminal reply within {timeout:.1f}s")
-    return PullResult(replies, timed_out, time.monotonic() - start, sent_tag(frames))
+    return PullResult(replies, timed_out, time.monotonic() - start, sent_tag(frames), start)
 
 
 def sent_tag(frames: list[bytes]) -> bytes | None:
