@@ -18,7 +18,7 @@ import dataclasses
 import os
 import shlex
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -132,6 +132,13 @@ LAYOUTS: Final[dict[str, Layout]] = {
 
 #: The suites whose cases start testees of their own (a reference proxy, a reference P).
 BESIDE: Final = frozenset({Suite.PROXY, Suite.REGISTRATION})
+#: How many layouts' testbeds ``pdwire conformance self`` starts ahead of the one whose cases
+#: run.
+STARTED_AHEAD: Final = 3
+#: The layouts whose cases time the testees' periodic timers to a fraction of a second (lease
+#: renewals, a prefill of a set length): they run last, when the suites that run beside the
+#: layouts (``BESIDE``) have ended and no other testbed is left to start.
+LAST: Final = frozenset({LEASED, SLOW_PREFILL})
 
 
 def layout_of(c: Case) -> Layout:
@@ -278,10 +285,13 @@ async def run_suites(
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    """Every suite of ``cases`` whose testees ``bed`` holds, against them."""
+    """Every suite of ``cases`` whose testees ``bed`` holds, against them. The suites that each
+    drive one testee, or start their own, run side by side: the producer suite's D and the
+    consumer suite's P are the harness's fakes, so neither sees the other. The pair suite, which
+    drives both testees, runs after them."""
     wanted = {c.suite for c in cases}
     p, d = bed.nodes.get("prefill"), bed.nodes.get("decode")
-    results: list[Result] = []
+    alone: list[Awaitable[list[Result]]] = []
     if Suite.PRODUCER in wanted and p is not None:
         from .suites.producer_env import ProducerOptions
         from .suites.run import run_producer
@@ -296,7 +306,7 @@ async def run_suites(
             auth_key=bed.auth_key,
             limits=REFERENCE.as_dict(),
         )
-        results += await run_producer(popts, cases, options, on_result)
+        alone.append(run_producer(popts, cases, options, on_result))
     if Suite.CONSUMER in wanted and d is not None:
         from .suites.consumer_env import ConsumerOptions, run_consumer
 
@@ -310,7 +320,18 @@ async def run_suites(
             d_command=reference_d_command(bed.env_of("decode")),
             sliding_window=bed.layout.sliding_window or None,
         )
-        results += await run_consumer(copts, cases, options, on_result)
+        alone.append(run_consumer(copts, cases, options, on_result))
+    if Suite.PROXY in wanted:
+        from .suites.proxy_env import reference_options, run_proxy
+
+        proxyopts = reference_options(bed.env_of("proxy"), timeout)
+        alone.append(run_proxy(proxyopts, cases, options, on_result))
+    if Suite.REGISTRATION in wanted:
+        from .suites import registration_env
+
+        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
+        alone.append(registration_env.run_registration(regopts, cases, options, on_result))
+    results = [r for found in await asyncio.gather(*alone) for r in found]
     if Suite.PAIR in wanted and p is not None and d is not None:
         from .suites.pair_env import PairOptions, run_pair
 
@@ -318,16 +339,6 @@ async def run_suites(
             prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
         )
         results += await run_pair(pairopts, cases, options, on_result)
-    if Suite.PROXY in wanted:
-        from .suites.proxy_env import reference_options, run_proxy
-
-        proxyopts = reference_options(bed.env_of("proxy"), timeout)
-        results += await run_proxy(proxyopts, cases, options, on_result)
-    if Suite.REGISTRATION in wanted:
-        from .suites import registration_env
-
-        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
-        results += await registration_env.run_registration(regopts, cases, options, on_result)
     return results
 
 
@@ -348,25 +359,35 @@ async def _run_layouts(
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
+    up: asyncio.Event,
 ) -> list[Result]:
-    """``cases`` against the testbed of each layout they need, one layout after another. The
-    next layout's testees start while the cases of one run, and a layout's testees stop while
-    the next one's run: starting and stopping are mostly waiting for processes."""
+    """``cases`` against the testbed of each layout they need, one layout after another:
+    DEFAULT's first, those of ``LAST`` last. Once the first testbed is up (``up`` is set then),
+    the next ones start STARTED_AHEAD at a time while the cases of one run, and a layout's
+    testees stop while the next one's run: starting and stopping are mostly waiting for
+    processes, and most layouts' cases take less time than their testees take to start."""
+    plan = by_layout(cases)
+    order = sorted(plan, key=lambda layout: layout in LAST)
     results: list[Result] = []
     stopping: list[asyncio.Task[None]] = []
-    plan = [(layout, roles_for(mine), mine) for layout, mine in by_layout(cases).items()]
-    starting = [asyncio.create_task(_started(layout, roles)) for layout, roles, _ in plan[:1]]
+    starting: list[asyncio.Task[Testbed]] = []
+
+    def start_up_to(n: int) -> None:
+        for layout in order[len(starting) : n]:
+            starting.append(asyncio.create_task(_started(layout, roles_for(plan[layout]))))
+
+    start_up_to(1)
     try:
-        for i, (_, _, mine) in enumerate(plan):
+        for i, layout in enumerate(order):
             bed = await starting[i]
-            if i + 1 < len(plan):
-                layout, roles, _ = plan[i + 1]
-                starting.append(asyncio.create_task(_started(layout, roles)))
+            up.set()
+            start_up_to(i + 1 + STARTED_AHEAD)
             try:
-                results += await run_suites(bed, mine, options, on_result, timeout)
+                results += await run_suites(bed, plan[layout], options, on_result, timeout)
             finally:
                 stopping.append(asyncio.create_task(bed.stop()))
     finally:
+        up.set()
         for task in starting[len(stopping) :]:  # started, or starting, and never run
             with contextlib.suppress(BaseException):  # one that failed stopped its nodes
                 stopping.append(asyncio.create_task((await task).stop()))
@@ -393,14 +414,20 @@ async def run_self(
     timeout: float,
 ) -> list[Result]:
     """Every case of ``cases`` against the reference testees; the results in the order of
-    ``cases``. The suites that start testees of their own (``BESIDE``) run beside the others:
-    most of their time is waiting for those to start."""
-    own = Testbed()
+    ``cases``. The suites that start testees of their own (``BESIDE``) run beside the others
+    once the first testbed is up: most of their time is waiting for those to start, and
+    starting them all at once would delay the first testbed, whose cases take longest."""
+    up = asyncio.Event()
     beside = [c for c in cases if c.suite in BESIDE]
-    alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
+
+    async def once_up() -> list[Result]:
+        await up.wait()
+        return await run_suites(Testbed(), beside, options, on_result, timeout)
+
+    alongside = asyncio.create_task(once_up())
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
-        results = await _run_layouts(rest, options, on_result, timeout)
+        results = await _run_layouts(rest, options, on_result, timeout, up)
         results += await alongside
     finally:
         if not alongside.done():

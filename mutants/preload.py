@@ -34,16 +34,28 @@ def environ(name: str = "", switch: Path | None = None) -> dict[str, str]:
 
 
 def start() -> None:
-    """Apply the mutant the environment names, and serve switching if it asks for it."""
+    """Apply the mutant the environment names, and serve switching if it asks for it: in this
+    process, and in each process forked from it (a node's forkserver forks its workers)."""
     mutants.apply(os.environ.get(MUTANT_ENV, ""))
     folder = os.environ.get(SWITCH_ENV)
     if folder:
-        path = Path(folder) / f"{os.getpid()}.sock"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(path))  # before the process goes on: a switch after its start finds it
-        listener.listen()
-        atexit.register(path.unlink, missing_ok=True)
-        threading.Thread(target=_serve, args=(listener,), name="mutant-switch", daemon=True).start()
+        _serve_switching(Path(folder))
+        os.register_at_fork(after_in_child=lambda: _serve_switching(Path(folder)))
+
+
+_listener: socket.socket | None = None
+
+
+def _serve_switching(folder: Path) -> None:
+    global _listener
+    if _listener is not None:  # the parent's, inherited by a fork: it serves the parent
+        _listener.close()
+    path = folder / f"{os.getpid()}.sock"
+    _listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    _listener.bind(str(path))  # before the process goes on: a switch after its start finds it
+    _listener.listen()
+    atexit.register(path.unlink, missing_ok=True)
+    threading.Thread(target=_serve, args=(_listener,), name="mutant-switch", daemon=True).start()
 
 
 def _serve(listener: socket.socket) -> None:

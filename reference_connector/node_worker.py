@@ -2,9 +2,10 @@
 is started with is ``worker_spec``; the process itself is ``worker_process``, which loads torch;
 the front does not).
 
-Each worker (started with multiprocessing spawn) holds its ``KVPool`` and its agent
-(``worker_agents``: by default a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent`` on a
-decode node, over the worker's transfer engine). The front
+Each worker (spawned, or, on a node of several workers, forked from the front's multiprocessing
+forkserver, which loads the workers' modules once, torch above all) holds its ``KVPool`` and its
+agent (``worker_agents``: by default a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent``
+on a decode node, over the worker's transfer engine). The front
 talks to it over one duplex Pipe:
 
 - front -> worker: ``(call_id, op, args)``; the worker runs ``op_<op>(*args)`` in order and
@@ -36,6 +37,23 @@ OnEvent = Callable[[int, str, tuple[Any, ...]], None]
 
 
 # -- the front's handle ----------------------------------------------------------------------
+
+
+#: What the forkserver loads before it forks the first worker: the worker process's modules
+#: (torch, the agents, the transfer engine's bindings).
+PRELOAD = ("reference_connector.worker_process", "reference_connector.worker_agents")
+
+
+def _context(
+    workers: int,
+) -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
+    """Spawn for a node of one worker (a forkserver would load the same modules, then fork);
+    the forkserver, loading PRELOAD once, for a node of several."""
+    if workers == 1:
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
 
 
 def _run_worker(spec: WorkerSpec, conn: Connection) -> None:
@@ -75,7 +93,7 @@ class WorkerHandle:
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _context(self.spec.tp_size * self.spec.pp_size)
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_run_worker, args=(self.spec, child), name=f"pdwire-{self.spec.name}"

@@ -68,3 +68,42 @@ def test_a_process_without_the_environment_loads_no_mutant() -> None:
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     assert out.strip() == "False"
+
+
+#: Forks a child, says so once the child runs, waits for a line, then prints the child's mutant
+#: and its own.
+FORK = """
+import os, sys, mutants
+ready_r, ready_w = os.pipe()
+go_r, go_w = os.pipe()
+if os.fork() == 0:
+    os.write(ready_w, b"x")
+    os.read(go_r, 1)
+    print(mutants._active, flush=True)
+    os._exit(0)
+os.read(ready_r, 1)
+print("forked", flush=True)
+sys.stdin.readline()
+os.write(go_w, b"x")
+os.wait()
+print(mutants._active, flush=True)
+"""
+
+
+def test_a_switch_reaches_a_process_forked_from_one_that_serves(tmp_path: Path) -> None:
+    """A node's forkserver forks its workers: each serves switching of its own."""
+    env = preload.environ("early-free", switch=tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORK], env=env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "forked"
+        assert preload.switch(tmp_path, "v2-to-legacy", timeout=10) == 2
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert [proc.stdout.readline().strip() for _ in range(2)] == ["v2-to-legacy"] * 2
+    finally:
+        proc.kill()
+        proc.wait(10)
