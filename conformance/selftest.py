@@ -132,12 +132,9 @@ LAYOUTS: Final[dict[str, Layout]] = {
 
 #: The suites whose cases start testees of their own (a reference proxy, a reference P).
 BESIDE: Final = frozenset({Suite.PROXY, Suite.REGISTRATION})
-#: How many layouts' testbeds ``pdwire conformance self`` starts ahead of the one whose cases
-#: run.
-STARTED_AHEAD: Final = 3
 #: The layouts whose cases time the testees' periodic timers to a fraction of a second (lease
 #: renewals, a prefill of a set length): they run last, when the suites that run beside the
-#: layouts (``BESIDE``) have ended and no other testbed is left to start.
+#: layouts (``BESIDE``) have ended.
 LAST: Final = frozenset({LEASED, SLOW_PREFILL})
 
 
@@ -359,13 +356,11 @@ async def _run_layouts(
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
-    up: asyncio.Event,
 ) -> list[Result]:
     """``cases`` against the testbed of each layout they need, one layout after another:
-    DEFAULT's first, those of ``LAST`` last. Once the first testbed is up (``up`` is set then),
-    the next ones start STARTED_AHEAD at a time while the cases of one run, and a layout's
-    testees stop while the next one's run: starting and stopping are mostly waiting for
-    processes, and most layouts' cases take less time than their testees take to start."""
+    DEFAULT's first, those of ``LAST`` last. The next layout's testees start while the cases
+    of one run, and a layout's testees stop while the next one's run: starting and stopping
+    are mostly waiting for processes."""
     plan = by_layout(cases)
     order = sorted(plan, key=lambda layout: layout in LAST)
     results: list[Result] = []
@@ -380,14 +375,12 @@ async def _run_layouts(
     try:
         for i, layout in enumerate(order):
             bed = await starting[i]
-            up.set()
-            start_up_to(i + 1 + STARTED_AHEAD)
+            start_up_to(i + 2)
             try:
                 results += await run_suites(bed, plan[layout], options, on_result, timeout)
             finally:
                 stopping.append(asyncio.create_task(bed.stop()))
     finally:
-        up.set()
         for task in starting[len(stopping) :]:  # started, or starting, and never run
             with contextlib.suppress(BaseException):  # one that failed stopped its nodes
                 stopping.append(asyncio.create_task((await task).stop()))
@@ -414,20 +407,14 @@ async def run_self(
     timeout: float,
 ) -> list[Result]:
     """Every case of ``cases`` against the reference testees; the results in the order of
-    ``cases``. The suites that start testees of their own (``BESIDE``) run beside the others
-    once the first testbed is up: most of their time is waiting for those to start, and
-    starting them all at once would delay the first testbed, whose cases take longest."""
-    up = asyncio.Event()
+    ``cases``. The suites that start testees of their own (``BESIDE``) run beside the others:
+    most of their time is waiting for those to start."""
+    own = Testbed()
     beside = [c for c in cases if c.suite in BESIDE]
-
-    async def once_up() -> list[Result]:
-        await up.wait()
-        return await run_suites(Testbed(), beside, options, on_result, timeout)
-
-    alongside = asyncio.create_task(once_up())
+    alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
-        results = await _run_layouts(rest, options, on_result, timeout, up)
+        results = await _run_layouts(rest, options, on_result, timeout)
         results += await alongside
     finally:
         if not alongside.done():
