@@ -40,7 +40,8 @@ OnEvent = Callable[[int, str, tuple[Any, ...]], None]
 
 
 #: What the forkserver loads before it forks the first worker: the worker process's modules
-#: (torch, the agents, the transfer engine's bindings).
+#: (torch, the KV pool, the agents). A forked worker has the environment the forkserver started
+#: with: the front's when it started its first worker of several.
 PRELOAD = ("reference_connector.worker_process", "reference_connector.worker_agents")
 
 

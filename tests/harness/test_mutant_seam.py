@@ -17,13 +17,19 @@ SHOW = "import sys, mutants; print(mutants._active, flush=True); sys.stdin.readl
     "print(mutants._active, flush=True)"  # fmt: skip
 
 
-@pytest.fixture
-def child(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
-    env = preload.environ("early-free", switch=tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", SHOW], env=env, text=True,
+def serving(code: str, folder: Path) -> subprocess.Popen[str]:
+    """A Python process running ``code`` with mutant early-free, serving switching in
+    ``folder``."""
+    env = preload.environ("early-free", switch=folder)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, text=True,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
+
+
+@pytest.fixture
+def child(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    proc = serving(SHOW, tmp_path)
     try:
         yield proc, tmp_path
     finally:
@@ -92,11 +98,7 @@ print(mutants._active, flush=True)
 
 def test_a_switch_reaches_a_process_forked_from_one_that_serves(tmp_path: Path) -> None:
     """A node's forkserver forks its workers: each serves switching of its own."""
-    env = preload.environ("early-free", switch=tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, "-c", FORK], env=env, text=True,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+    proc = serving(FORK, tmp_path)
     try:
         assert proc.stdout is not None and proc.stdin is not None
         assert proc.stdout.readline().strip() == "forked"
