@@ -18,7 +18,7 @@ import dataclasses
 import os
 import shlex
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -282,13 +282,10 @@ async def run_suites(
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    """Every suite of ``cases`` whose testees ``bed`` holds, against them. The suites that each
-    drive one testee, or start their own, run side by side: the producer suite's D and the
-    consumer suite's P are the harness's fakes, so neither sees the other. The pair suite, which
-    drives both testees, runs after them."""
+    """Every suite of ``cases`` whose testees ``bed`` holds, against them."""
     wanted = {c.suite for c in cases}
     p, d = bed.nodes.get("prefill"), bed.nodes.get("decode")
-    alone: list[Awaitable[list[Result]]] = []
+    results: list[Result] = []
     if Suite.PRODUCER in wanted and p is not None:
         from .suites.producer_env import ProducerOptions
         from .suites.run import run_producer
@@ -303,7 +300,7 @@ async def run_suites(
             auth_key=bed.auth_key,
             limits=REFERENCE.as_dict(),
         )
-        alone.append(run_producer(popts, cases, options, on_result))
+        results += await run_producer(popts, cases, options, on_result)
     if Suite.CONSUMER in wanted and d is not None:
         from .suites.consumer_env import ConsumerOptions, run_consumer
 
@@ -317,18 +314,7 @@ async def run_suites(
             d_command=reference_d_command(bed.env_of("decode")),
             sliding_window=bed.layout.sliding_window or None,
         )
-        alone.append(run_consumer(copts, cases, options, on_result))
-    if Suite.PROXY in wanted:
-        from .suites.proxy_env import reference_options, run_proxy
-
-        proxyopts = reference_options(bed.env_of("proxy"), timeout)
-        alone.append(run_proxy(proxyopts, cases, options, on_result))
-    if Suite.REGISTRATION in wanted:
-        from .suites import registration_env
-
-        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
-        alone.append(registration_env.run_registration(regopts, cases, options, on_result))
-    results = [r for found in await asyncio.gather(*alone) for r in found]
+        results += await run_consumer(copts, cases, options, on_result)
     if Suite.PAIR in wanted and p is not None and d is not None:
         from .suites.pair_env import PairOptions, run_pair
 
@@ -336,6 +322,16 @@ async def run_suites(
             prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
         )
         results += await run_pair(pairopts, cases, options, on_result)
+    if Suite.PROXY in wanted:
+        from .suites.proxy_env import reference_options, run_proxy
+
+        proxyopts = reference_options(bed.env_of("proxy"), timeout)
+        results += await run_proxy(proxyopts, cases, options, on_result)
+    if Suite.REGISTRATION in wanted:
+        from .suites import registration_env
+
+        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
+        results += await registration_env.run_registration(regopts, cases, options, on_result)
     return results
 
 

@@ -63,7 +63,7 @@ class PullResult:
     timed_out: bool  # no terminal reply within the wait
     elapsed: float
     sent_tag: bytes | None = None  # the auth_tag of what was sent, which signed replies cover
-    started: float = 0.0  # monotonic, when the pull was sent; a reply's t counts from here
+    started: float = 0.0  # monotonic, when the send completed; a reply's t counts from here
 
     @property
     def terminal(self) -> XferResponseV2 | None:
@@ -286,6 +286,7 @@ async def exchange(
         sock.connect(addr)
         frames = [data] if isinstance(data, bytes) else data
         await sock.send_multipart(frames)
+        start = time.monotonic()  # replies count from the send, not from the connect
         log.sent(channel, f"{len(frames)} frame(s), {sum(map(len, frames))} bytes", _frames(frames))
         done_at: float | None = None
         while True:
