@@ -54,8 +54,15 @@ def _serve_switching(folder: Path) -> None:
     _listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     _listener.bind(str(path))  # before the process goes on: a switch after its start finds it
     _listener.listen()
-    atexit.register(path.unlink, missing_ok=True)
+    atexit.register(_unlink_own, path, os.getpid())
     threading.Thread(target=_serve, args=(_listener,), name="mutant-switch", daemon=True).start()
+
+
+def _unlink_own(path: Path, pid: int) -> None:
+    """At exit, remove ``path`` if this is the process that bound it: a forked child inherits
+    its parent's exit handlers, and must not remove the socket its parent still serves."""
+    if os.getpid() == pid:
+        path.unlink(missing_ok=True)
 
 
 def _serve(listener: socket.socket) -> None:

@@ -66,6 +66,11 @@ class PullResult:
     started: float = 0.0  # monotonic, when the send completed; a reply's t counts from here
 
     @property
+    def ended(self) -> float:
+        """Monotonic, when the exchange ended (its terminal reply, or its wait)."""
+        return self.started + self.elapsed
+
+    @property
     def terminal(self) -> XferResponseV2 | None:
         last = self.replies[-1].msg if self.replies else None
         return last if last is not None and last.status in TERMINAL else None

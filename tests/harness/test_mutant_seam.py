@@ -109,3 +109,25 @@ def test_a_switch_reaches_a_process_forked_from_one_that_serves(tmp_path: Path) 
     finally:
         proc.kill()
         proc.wait(10)
+
+
+#: Forks a child that exits through the interpreter's exit handlers, then waits for a line.
+FORK_AND_EXIT = """
+import os, sys
+if os.fork() == 0:
+    sys.exit(0)
+os.wait()
+print("child gone", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_forked_child_that_exits_leaves_its_parent_switchable(tmp_path: Path) -> None:
+    proc = serving(FORK_AND_EXIT, tmp_path)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "child gone"
+        assert preload.switch(tmp_path, "v2-to-legacy", timeout=10) == 1
+    finally:
+        proc.kill()
+        proc.wait(10)
