@@ -37,7 +37,7 @@ class Verdict(enum.StrEnum):
     INFORMATIONAL = "informational"
     UNSUPPORTED = "unsupported"
     SKIPPED = "skipped"
-    BLOCKED = "blocked"  # not run: the testee stopped serving after an earlier case
+    BLOCKED = "blocked"  # not run: the testee stopped serving, or the run could not start
 
 
 class Suite(enum.StrEnum):

@@ -24,6 +24,7 @@ from .runner import (
     Progress,
     Result,
     RunOptions,
+    blocked,
     exit_code,
     read_list,
     scale_for,
@@ -431,19 +432,26 @@ def run_options(args: argparse.Namespace) -> RunOptions:
 
 def finish(args: argparse.Namespace, results: Sequence[Result], testee: dict[str, Any]) -> int:
     """Print the summary, write the reports asked for, and give the exit status."""
-    from .report import write_html, write_json, write_junit
-
     counts = summary(results)
     line = ", ".join(f"{v} {k}" for k, v in counts.items() if v)
     unexpected = [r.case.id for r in results if r.unexpected]
     print(f"{len(results)} cases: {line}")
     if unexpected:
         print(f"unexpected: {', '.join(unexpected)}")
+    write_reports(args, results, testee)
+    return exit_code(results)
+
+
+def write_reports(
+    args: argparse.Namespace, results: Sequence[Result], testee: dict[str, Any]
+) -> None:
+    """The JSON, JUnit and HTML reports that ``args`` asks for."""
+    from .report import write_html, write_json, write_junit
+
     for flag, writer in (("json", write_json), ("junit", write_junit), ("html", write_html)):
         path = getattr(args, flag, None)
         if path:
             writer(path, results, testee)
-    return exit_code(results)
 
 
 def _run(
@@ -465,6 +473,8 @@ def _run(
         results = asyncio.run(go(cases, options, progress))
     except (RuntimeError, OSError, TimeoutError) as exc:  # the testee is unreachable or broken
         print(f"pdwire conformance {suite or 'self'}: {exc}", file=sys.stderr)
+        # The reports asked for still say why no case ran: CI reads them, not stderr.
+        write_reports(args, [blocked(c, f"the run could not start: {exc}") for c in cases], testee)
         return EXIT_USAGE
     return finish(args, results, testee)
 

@@ -165,7 +165,8 @@ def in_run_order(cases: Iterable[Case]) -> list[Case]:
 
 
 def blocked(case: Case, why: str) -> Result:
-    """``case``, not run because of what an earlier case showed of the testee: ``why``."""
+    """``case``, not run: ``why`` (the testee stopped serving after an earlier case, or the run
+    could not start)."""
     return Result(case, Verdict.BLOCKED, 0.0, f"not run: {why}", WireLog())
 
 

@@ -23,6 +23,12 @@ MAX_REGISTER_BODY_BYTES: Final = 64 * 1024
 #: The bootstrap server's port when none is given: VLLM_MOONCAKE_BOOTSTRAP_PORT's default
 #: (4.4-R14), and the proxy's for a P whose bootstrap port is omitted (5.4-R16).
 DEFAULT_BOOTSTRAP_PORT: Final = 8998
+#: Seconds pdwire's HTTP clients (the proxy, the harness, the load generator) keep an idle pooled
+#: connection: well below the 5 s after which uvicorn, and so vLLM's API server and the bootstrap
+#: server, close one. With equal timers a request sent on a connection the server is closing
+#: fails without an answer ("Server disconnected without sending a response"): the client starts
+#: its idle clock when it has read the response, later than the server, the more so under load.
+CLIENT_KEEPALIVE_S: Final = 2.0
 #: What ``addr`` must look like (§4.1): a ZMQ TCP endpoint with a host and a port.
 WORKER_ADDR: Final = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
 

@@ -29,7 +29,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdwire import http_models
-from pdwire.http_models import DecodeParams, PrefillParams, QueryResponse, bootstrap_url
+from pdwire.http_models import (
+    CLIENT_KEEPALIVE_S,
+    DecodeParams,
+    PrefillParams,
+    QueryResponse,
+    bootstrap_url,
+)
 from pdwire.versions import LEGACY, WIRE_VERSION, check_profile
 
 from . import bootstrap_client
@@ -261,7 +267,9 @@ class Proxy:
         timeout = httpx.Timeout(
             self.client_timeout, connect=self.client_timeout or CONNECT_TIMEOUT_S
         )
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        limits = httpx.Limits(
+            max_connections=None, max_keepalive_connections=64, keepalive_expiry=CLIENT_KEEPALIVE_S
+        )
         for url in [p.url for p in self.readiness.prefills] + self.decodes:
             if url not in self.clients:
                 self.clients[url] = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)

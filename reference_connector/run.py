@@ -78,6 +78,7 @@ from typing import Any, Final, TextIO
 import httpx
 import numpy as np
 
+from pdwire.http_models import CLIENT_KEEPALIVE_S
 from pdwire.roles import Role
 from pdwire.versions import PDWIRE_2, Profile
 
@@ -544,7 +545,7 @@ async def _send_all(
     semaphore = asyncio.Semaphore(config.concurrency)
     outcomes: list[Outcome] = []
     failed = 0
-    limits = httpx.Limits(max_connections=config.concurrency)
+    limits = httpx.Limits(max_connections=config.concurrency, keepalive_expiry=CLIENT_KEEPALIVE_S)
     async with httpx.AsyncClient(timeout=config.request_timeout, limits=limits) as client:
 
         async def one(case: Case) -> None:

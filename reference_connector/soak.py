@@ -49,7 +49,7 @@ from typing import Any, Final, NamedTuple
 
 import httpx
 
-from pdwire.http_models import DecodeParams, PrefillParams
+from pdwire.http_models import CLIENT_KEEPALIVE_S, DecodeParams, PrefillParams
 from pdwire.versions import LEGACY, PDWIRE_2, WIRE_VERSION
 
 from .node_api import NodeServer
@@ -256,7 +256,9 @@ class Clients:
         return time.perf_counter() - self.t0
 
     async def run(self, stop_at: float) -> None:
-        limits = httpx.Limits(max_connections=self.config.run.concurrency)
+        limits = httpx.Limits(
+            max_connections=self.config.run.concurrency, keepalive_expiry=CLIENT_KEEPALIVE_S
+        )
         timeout = self.config.run.request_timeout
         async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
 

@@ -37,9 +37,10 @@ def verdicts(doc: dict[str, Any]) -> dict[str, str]:
     return {c["id"]: c["verdict"] for c in doc["cases"]}
 
 
-def failed(doc: dict[str, Any]) -> dict[str, str]:
-    """The detail of each failed case by its id."""
-    return {c["id"]: c["detail"] for c in doc["cases"] if c["verdict"] == "fail"}
+def unexpected(doc: dict[str, Any]) -> dict[str, str]:
+    """The detail of each unexpected case by its id: a failure nobody expected, or a case that
+    was not run (blocked), with the reason."""
+    return {c["id"]: c["detail"] for c in doc["cases"] if c["unexpected"]}
 
 
 def only(doc: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,18 @@ from typing import Any, Final
 
 import httpx
 
+from pdwire.http_models import CLIENT_KEEPALIVE_S
+
 from ..case import WireLog
 
 PROBE_TIMEOUT: Final = 2.0  # seconds: a server that is up answers a probe at once
+
+
+def client(timeout: float, *, trust_env: bool = True) -> httpx.AsyncClient:
+    """The harness's client of a testee's HTTP servers: it drops an idle connection before the
+    server would close it (``CLIENT_KEEPALIVE_S``)."""
+    limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=trust_env)
 
 
 @dataclasses.dataclass

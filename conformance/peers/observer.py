@@ -51,6 +51,7 @@ from pdwire.vectors import as_json
 
 from ..case import WireLog
 from ..ports import bind_fresh
+from .http import client
 
 #: The requirement of a problem that is the observer's own failure: every case reports it.
 HARNESS: Final = "harness"
@@ -224,7 +225,7 @@ class Observer:
         self.real_query: dict[str, Any] = {}  # P's last real /query reply
         self._token = uuid.uuid4().hex[:8]
         self._zmq = zmq.asyncio.Context()
-        self._http = httpx.AsyncClient(timeout=timeout)
+        self._http = client(timeout)
         self._relays: dict[str, _Relay] = {}
         self._legacy: dict[str, bool] = {}  # per view: shown as a legacy bootstrap shows it
         self._endpoints: dict[tuple[str, int, int, int], _Endpoint] = {}

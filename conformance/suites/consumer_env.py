@@ -18,7 +18,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Final
 
-import httpx
 import zmq.asyncio
 
 from pdwire.negotiation import Offer
@@ -29,7 +28,7 @@ from ..case import Case, CaseFailed, Skip, Suite, Unsupported, WireLog, case, ex
 from ..command import TemplateProcess, fill
 from ..peers.engine import Engine
 from ..peers.fake_p import DEFAULT_CAPS, FakeP, FakePConfig, Received, Source
-from ..peers.http import HttpResult, request, request_id, transfer_id
+from ..peers.http import HttpResult, client, request, request_id, transfer_id
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
@@ -95,7 +94,7 @@ class ConsumerEnv:
 
     def __init__(self, options: ConsumerOptions) -> None:
         self.options = options
-        self.http = httpx.AsyncClient(timeout=options.request_timeout)
+        self.http = client(options.request_timeout)
         self.zmq = zmq.asyncio.Context()
         self.engine: Engine | None = None
         self.source: Source | None = None

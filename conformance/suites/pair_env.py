@@ -21,7 +21,7 @@ from typing import Any, Final
 import httpx
 
 from ..case import Case, CaseFailed, Suite, Unsupported, WireLog, expect
-from ..peers.http import HttpResult, request, request_id, transfer_id
+from ..peers.http import HttpResult, client, request, request_id, transfer_id
 from ..peers.observer import HARNESS, REAL, Observer, Problem, Relayed
 from ..peers.p_engine import OfPEngine, PEngine, query_engine
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
@@ -215,7 +215,7 @@ class PairEnv(OfPEngine):
 
     def __init__(self, options: PairOptions) -> None:
         self.options = options
-        self.http = httpx.AsyncClient(timeout=options.request_timeout)
+        self.http = client(options.request_timeout)
         self.observer = Observer(
             options.prefill_bootstrap, host=options.observer_host, timeout=options.request_timeout
         )

@@ -14,7 +14,6 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, TypeVar
 
-import httpx
 import msgspec
 import zmq.asyncio
 
@@ -35,7 +34,7 @@ from ..case import CaseFailed, Unsupported, WireLog, declared_limit, expect, giv
 from ..discovery import discover
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
-from ..peers.http import HttpResult, request, request_id, transfer_id
+from ..peers.http import HttpResult, client, request, request_id, transfer_id
 from ..peers.p_engine import OfPEngine, PEngine, query_engine
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
@@ -74,7 +73,7 @@ class ProducerEnv(OfPEngine):
 
     def __init__(self, options: ProducerOptions) -> None:
         self.options = options
-        self.http = httpx.AsyncClient(timeout=options.request_timeout)
+        self.http = client(options.request_timeout)
         self.zmq = zmq.asyncio.Context()
         self.engine: Engine | None = None
         self.p = PEngine({}, 0, {})

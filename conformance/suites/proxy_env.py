@@ -28,6 +28,7 @@ from pdwire.limits import REFERENCE
 from ..case import Case, CaseFailed, Suite, WireLog, declared_limit, expect
 from ..command import TemplateProcess, check, fill, with_env
 from ..peers.backends import MODEL, FakeAPI, FakeBootstrap, Hit
+from ..peers.http import client
 from ..ports import free_port
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
@@ -204,7 +205,7 @@ class ProxyEnv:
         self.options = options
         self.log = WireLog()
         self.world: World | None = None
-        self.http = httpx.AsyncClient(timeout=options.request_timeout, trust_env=False)
+        self.http = client(options.request_timeout, trust_env=False)
 
     async def open(self) -> None:
         self.world = await open_world(self.options, self.log)

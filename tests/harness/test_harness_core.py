@@ -393,3 +393,25 @@ def test_a_prefill_that_is_no_url_is_a_usage_error(
         cli.main([suite, "--prefill", "p:8100", "--decode", "http://127.0.0.1:9"])
     assert exit_info.value.code == 2
     assert "argument --prefill: P's URL must be http(s)://host:port" in capsys.readouterr().err
+
+
+def test_a_run_that_cannot_start_still_writes_its_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A testee nobody answers for: exit status 2, the reason on stderr, and the JSON and JUnit
+    reports asked for, each case in them blocked with that reason."""
+    from conformance.ports import free_port
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    paths = {"json": tmp_path / "r.json", "junit": tmp_path / "r.xml"}
+    args = ["producer", "--api", nobody, "--bootstrap", nobody, "--cases", "producer/3.2/*"]
+    code = cli.main([*args, "-q", "--json", str(paths["json"]), "--junit", str(paths["junit"])])
+    assert code == 2
+    reason = capsys.readouterr().err.strip().splitlines()[-1]
+    assert reason.startswith("pdwire conformance producer: ") and nobody in reason
+    doc = json.loads(paths["json"].read_text())
+    assert doc["cases"] and {c["verdict"] for c in doc["cases"]} == {"blocked"}
+    why = reason.removeprefix("pdwire conformance producer: ")
+    assert {c["detail"] for c in doc["cases"]} == {f"not run: the run could not start: {why}"}
+    failures = ET.parse(paths["junit"]).getroot().iter("failure")
+    assert len(list(failures)) == len(doc["cases"])
