@@ -220,6 +220,7 @@ class Observer:
         self.records: list[Relayed] = []
         self.problems: list[Problem] = []
         self.queries: list[str] = []  # the views D queried in this case
+        self.refused: list[str] = []  # why the relay answered D's query with an error, this case
         #: Seconds to hold every reply of a P worker before passing it on (a slow link).
         self.delays: dict[Worker, float] = {}
         self.real_query: dict[str, Any] = {}  # P's last real /query reply
@@ -287,7 +288,7 @@ class Observer:
     def begin(self, log: WireLog) -> None:
         """Start a case: its wire log; no records, problems or delays yet."""
         self.log = log
-        self.records, self.problems, self.queries = [], [], []
+        self.records, self.problems, self.queries, self.refused = [], [], [], []
         self.delays = {}
         for ep in self._endpoints.values():
             self._drop_upstreams(ep)
@@ -390,21 +391,41 @@ class Observer:
         self.log.received(channel, "D queried the relay")
         self.queries.append(view)
         try:
-            got = await self._http.get(f"{self.bootstrap}/query")
+            got = await self._real_query()
             data = got.json()
         except (httpx.HTTPError, ValueError) as exc:
-            self.log.note(f"P's bootstrap did not answer /query: {exc}")
-            return JSONResponse({"detail": f"P's bootstrap: {exc}"}, status_code=502)
+            return self._refuse(channel, 502, f"P's bootstrap did not answer /query: {exc!r}")
         if got.status_code != 200 or not isinstance(data, dict):
-            return JSONResponse(data, status_code=got.status_code)
+            return self._refuse(channel, got.status_code, f"P's bootstrap answered {data!r}")
         try:
             shown = {dp: self._rewrite(view, int(dp), entry) for dp, entry in data.items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self.log.note(f"P's /query reply has no usable worker_addr: {exc!r}", data)
-            return JSONResponse({"detail": f"P's /query reply: {exc!r}"}, status_code=502)
+            return self._refuse(
+                channel, 502, f"P's /query reply has no usable worker_addr: {exc!r}"
+            )
+        except Exception as exc:  # the harness's own failure: the case fails, naming it
+            self._harness_error("P's /query reply (relaying its workers)")
+            return self._refuse(channel, 500, f"the relay failed: {exc!r}")
         self.real_query = data
         self.log.sent(channel, "HTTP 200 (P's entry, workers relayed)", shown)
         return JSONResponse(shown)
+
+    async def _real_query(self) -> httpx.Response:
+        """P's ``GET /query``, sent again once on a new connection when the first attempt got
+        no answer: a pooled connection may be closing as it is reused."""
+        url = f"{self.bootstrap}/query"
+        try:
+            return await self._http.get(url)
+        except httpx.TransportError as exc:
+            self.log.note(f"P's bootstrap did not answer /query ({exc!r}): asking again")
+        async with client(self.timeout) as fresh:
+            return await fresh.get(url)
+
+    def _refuse(self, channel: str, status: int, why: str) -> Response:
+        """Answer D's query with HTTP ``status``, saying ``why``; the case names it."""
+        self.refused.append(f"HTTP {status}: {why}")
+        self.log.sent(channel, f"HTTP {status}", why)
+        return JSONResponse({"detail": why}, status_code=status)
 
     def _rewrite(self, view: str, dp: int, entry: dict[str, Any]) -> dict[str, Any]:
         shown = dict(entry)

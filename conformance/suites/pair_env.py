@@ -417,7 +417,7 @@ class PairCtx:
     def expect_pulled(self, x: Exchange) -> list[tuple[Relayed, str]]:
         """D pulled at least once for the transfer: it did not recompute the prompt silently."""
         found = self.pulls(x)
-        queried = f"D queried the relay {len(self.observer.queries)} time(s)"
+        queried = f"D queried the relay {len(self.observer.queries)} time(s){self._refusals()}"
         expect(
             bool(found),
             f"D answered {x.d.describe()} for transfer {x.transfer_id} without any pull for it "
@@ -435,7 +435,13 @@ class PairCtx:
         if not any(r.kind == "pull" for r in self.observer.records):
             raise CaseFailed(
                 "no pull passed the observer: D did not load any request from P (see pair/5.2/4)"
+                + self._refusals()
             )
+
+    def _refusals(self) -> str:
+        """What the relay answered D's failed queries, if any did fail."""
+        refused = "; ".join(self.observer.refused)
+        return f"; the relay answered D's query with {refused}" if refused else ""
 
     async def p_stats(self) -> dict[str, Any] | None:
         """P's ``GET /pdwire/stats`` (a pdwire node's), or None when P has no such route."""
