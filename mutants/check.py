@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import itertools
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 from conformance import testees
 from conformance.case import Case, Suite, Verdict
@@ -28,8 +28,6 @@ from conformance.selftest import DEFAULT, Layout, Testbed, by_layout, roles_for,
 from pdwire.roles import Role
 
 from . import MUTANTS, Mutant, preload
-
-T = TypeVar("T")
 
 #: Longer than the testees' timers: what a mutant run left behind must be freed by then.
 SETTLE_S = 3 * testees.ABORT_TIMEOUT
@@ -97,13 +95,20 @@ async def _switched(
     return {r.case.id: r.verdict.value for r in results}
 
 
-def groups_of(names: Sequence[T], jobs: int) -> list[list[T]]:
-    """``names`` in at most ``jobs`` groups of about one size, in their order, to check side by
-    side, each group in testees of its own."""
-    if not names:
-        return []
-    size = -(-len(names) // max(1, min(jobs, len(names))))
-    return [list(names[i : i + size]) for i in range(0, len(names), size)]
+def work_items(chosen: Sequence[Mutant], cases: Sequence[Case]) -> list[list[Mutant]]:
+    """``chosen`` as the items the checkers take, each whole: the mutants whose cases run in
+    the same layouts other than DEFAULT alone make one item, so that one checker starts those
+    testees; every other mutant is an item of its own. Items of several mutants come first,
+    the largest first; the others in their order."""
+    together: dict[frozenset[Layout], list[Mutant]] = {}
+    alone: list[list[Mutant]] = []
+    for m in chosen:
+        layouts = frozenset(by_layout(cases_of(m, cases)))
+        if m.role == "proxy" or layouts <= {DEFAULT}:
+            alone.append([m])
+        else:
+            together.setdefault(layouts, []).append(m)
+    return sorted(together.values(), key=len, reverse=True) + alone
 
 
 async def check_mutants(
@@ -114,17 +119,18 @@ async def check_mutants(
     jobs: int = 1,
 ) -> list[MutantResult]:
     """Run each of ``names`` against the cases that name it, in a switching testbed of each
-    layout those cases run in (``selftest.layout_of``). With ``jobs`` above 1, groups
-    of mutants (``groups_of``) are checked side by side, each group in testbeds of its own;
-    the mutants whose cases start testees of their own are checked beside them."""
+    layout those cases run in (``selftest.layout_of``). ``jobs`` checkers, each in testbeds of
+    its own, take the mutants (``work_items``) one item after another as each is free; the
+    mutants whose cases start testees of their own are checked beside them."""
     unknown = [n for n in names if n not in MUTANTS]
     if unknown:
         raise RuntimeError(f"no such mutants: {', '.join(unknown)}")
     chosen = [MUTANTS[n] for n in names]
     alone = [m for m in chosen if _own_testee_per_case(m, cases)]
-    shared = [m for m in chosen if m not in alone]
+    items = iter(work_items([m for m in chosen if m not in alone], cases))
+    checkers = min(max(1, jobs), len(chosen) - len(alone))
     found = await asyncio.gather(
-        *(_check_group(g, cases, timeout, on_result) for g in groups_of(shared, jobs)),
+        *(_checker(items, cases, timeout, on_result) for _ in range(checkers)),
         _check_side_by_side(alone, cases, timeout, on_result),
     )
     by_name = {r.name: r for group in found for r in group}
@@ -158,12 +164,14 @@ async def _check_side_by_side(
     return list(await asyncio.gather(*(one(m) for m in chosen)))
 
 
-async def _check_group(
-    chosen: Sequence[Mutant],
+async def _checker(
+    items: Iterator[list[Mutant]],
     cases: Sequence[Case],
     timeout: float,
     on_result: Callable[[MutantResult], None] | None,
 ) -> list[MutantResult]:
+    """One checker: it takes the next of ``items`` once it has checked the one before, in
+    switching testbeds of its own, started as a mutant first needs each; stopped at the end."""
     out: list[MutantResult] = []
     beds: dict[Layout, Testbed] = {}
     roles = {layout: roles_for(mine) for layout, mine in by_layout(cases).items()}
@@ -193,7 +201,7 @@ async def _check_group(
         return result
 
     try:
-        for m in chosen:
+        for m in itertools.chain.from_iterable(items):  # the next item, once this one is done
             t0 = time.monotonic()
             result = await check(m)
             result.seconds = time.monotonic() - t0

@@ -1,9 +1,16 @@
-"""The harness's Mooncake transfer engine: numpy buffers as registered memory, batch writes."""
+"""The harness's Mooncake transfer engine: numpy buffers as registered memory, batch writes.
+
+A transfer engine's destructor holds the GIL for about a second, which stalls every suite the
+process runs. So a closed ``Engine`` keeps its transfer engine, with no memory registered, for
+the next ``Engine`` of the same host in this process (the suites of ``pdwire conformance self``
+and of the mutant check open and close one per run); the idle ones are destroyed at exit.
+"""
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -28,15 +35,32 @@ def _engine_class() -> Any:
     return TransferEngine
 
 
+#: Idle transfer engines kept per host: more than the runs one process has open at once.
+IDLE_KEPT: Final = 8
+_idle: dict[str, list[Any]] = {}
+
+
+def _started(hostname: str) -> Any:
+    engine = _engine_class()()
+    ret = engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
+    if ret != 0:
+        raise EngineUnavailable(f"TransferEngine.initialize returned {ret}")
+    return engine
+
+
+@atexit.register
+def _destroy_idle() -> None:
+    """Before the interpreter tears its modules down, under which a destructor may fail."""
+    _idle.clear()
+
+
 class Engine:
     """One engine in P2P-handshake mode over TCP; peers are named ``host:rpc_port``."""
 
     def __init__(self, hostname: str = "127.0.0.1") -> None:
         self.hostname = hostname
-        self._engine: Any = _engine_class()()
-        ret = self._engine.initialize(hostname, "P2PHANDSHAKE", "tcp", "")
-        if ret != 0:
-            raise EngineUnavailable(f"TransferEngine.initialize returned {ret}")
+        idle = _idle.get(hostname)
+        self._engine: Any = idle.pop() if idle else _started(hostname)
         self.port: int = self._engine.get_rpc_port()
         self._buffers: dict[int, npt.NDArray[np.uint8]] = {}
 
@@ -69,11 +93,14 @@ class Engine:
         return ret
 
     def close(self) -> None:
-        """Unregister the buffers and destroy the engine now: its destructor holds the GIL for
-        about a second, which left to the garbage collector would stall a later case."""
+        """Unregister the buffers, and keep the transfer engine for the next ``Engine`` of this
+        host (at most IDLE_KEPT idle; beyond, it is destroyed now)."""
         if self._engine is None:
             return
         for addr in list(self._buffers):
             self._engine.unregister_memory(addr)
         self._buffers.clear()
+        idle = _idle.setdefault(self.hostname, [])
+        if len(idle) < IDLE_KEPT:
+            idle.append(self._engine)
         self._engine = None

@@ -36,8 +36,10 @@ from conformance.runner import (
     select,
     summary,
 )
+from conformance.selftest import DEFAULT, KEYED, Layout, by_layout
 from conformance.traceability import UNCOVERED
-from mutants.check import groups_of
+from mutants import MUTANTS, Mutant
+from mutants.check import cases_of, work_items
 
 
 def test_catalogue_is_the_spec() -> None:
@@ -277,13 +279,28 @@ def test_a_must_without_a_case_is_found() -> None:
     assert "3.2-R4" not in UNCOVERED
 
 
-def test_mutant_groups_are_of_one_size_in_order() -> None:
-    names = ["d1", "p1", "p2", "p3", "x1", "x2"]
-    assert groups_of(names, 1) == [names]
-    assert groups_of(names, 2) == [["d1", "p1", "p2"], ["p3", "x1", "x2"]]
-    assert groups_of(names, 4) == [["d1", "p1"], ["p2", "p3"], ["x1", "x2"]]
-    assert groups_of(names, 9) == [[n] for n in names]
-    assert groups_of([], 3) == []
+def test_the_mutants_of_one_special_layout_are_one_work_item() -> None:
+    """The mutants whose cases need the same testees other than the default ones are one item,
+    which one checker takes whole (so one checker starts those testees); every other mutant
+    is an item of its own; each mutant is in one item, and the items of several come first."""
+    cases = all_cases()
+    chosen = list(MUTANTS.values())
+    items = work_items(chosen, cases)
+    assert sorted(m.name for item in items for m in item) == sorted(MUTANTS)
+
+    def layouts(m: Mutant) -> frozenset[Layout]:
+        return frozenset(by_layout(cases_of(m, cases)))
+
+    several = [item for item in items if len(item) > 1]
+    assert several and items[: len(several)] == several
+    assert [len(i) for i in several] == sorted((len(i) for i in several), reverse=True)
+    special = [layouts(item[0]) for item in several]
+    assert len(set(special)) == len(special) and all(s - {DEFAULT} for s in special)
+    for item in several:
+        assert all(m.role != "proxy" and layouts(m) == layouts(item[0]) for m in item)
+    keyed = {m.name for m in chosen if layouts(m) == {KEYED}}
+    assert len(keyed) > 1 and {m.name for m in items[special.index(frozenset({KEYED}))]} == keyed
+    assert work_items([], cases) == []
 
 
 def test_each_case_runs_in_the_layout_it_needs() -> None:
