@@ -131,3 +131,16 @@ def test_a_forked_child_that_exits_leaves_its_parent_switchable(tmp_path: Path) 
     finally:
         proc.kill()
         proc.wait(10)
+
+
+@pytest.mark.parametrize("tracker", [False, True])
+def test_a_resource_tracker_applies_no_mutant(tmp_path: Path, tracker: bool) -> None:
+    """multiprocessing's resource tracker, which every node starts, runs none of pdwire's
+    code: it loads no mutant and serves no switching; any other process does."""
+    # The tracker is told by its command line; this one names the module, and only imports it.
+    named = "import multiprocessing.resource_tracker; " if tracker else ""
+    code = f"{named}import sys; print('mutants' in sys.modules, flush=True)"
+    proc = serving(code, tmp_path)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert out.strip() == str(not tracker)
