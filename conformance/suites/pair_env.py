@@ -438,6 +438,14 @@ class PairCtx:
                 + self._refusals()
             )
 
+    def expect_pulled_and_served(self, exchanges: Sequence[Exchange]) -> None:
+        """Some pull passed the observer, and both legs of each of ``exchanges`` were served. A
+        case checks this before it finds what D announced unsupported: a D that never reached P
+        (its bootstrap query failed, say) announced nothing, and that is a failure."""
+        self.require_traffic()
+        for x in exchanges:
+            self.expect_served(x)
+
     def _refusals(self) -> str:
         """What the relay answered D's failed queries, if any did fail."""
         refused = "; ".join(self.observer.refused)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from ..case import Unsupported, case, expect
-from .pair_env import PROMPTS, Exchange, PairCtx
+from .pair_env import PROMPTS, PairCtx
 
 
 @case(
@@ -43,7 +43,7 @@ async def p_answers_legacy_to_a_legacy_d(t: PairCtx) -> None:
     capabilities or error codes)."""
     legacy = await t.new_view(legacy=True)
     exchanges = await asyncio.gather(*(t.exchange(t.body(p), view=legacy) for p in PROMPTS[:2]))
-    _expect_pulled_and_served(t, exchanges)
+    t.expect_pulled_and_served(exchanges)
     unannounced = [r for r in t.observer.records if r.kind == "pull" and not r.announced]
     if not unannounced:
         raise Unsupported("D announced pdwire/2 in every pull, even to a P shown as legacy")
@@ -62,7 +62,7 @@ async def p_announces_to_an_announcing_d(t: PairCtx) -> None:
         raise Unsupported("P's /query entry does not announce pdwire/2")
     fresh = await t.new_view()
     exchanges = await asyncio.gather(*(t.exchange(t.body(p), view=fresh) for p in PROMPTS[:2]))
-    _expect_pulled_and_served(t, exchanges)
+    t.expect_pulled_and_served(exchanges)
     if not any(r.kind == "pull" and r.announced for r in t.observer.records):
         raise Unsupported("D did not announce pdwire/2 (a legacy D)")
     t.expect_clean("3.4-R7")
@@ -79,15 +79,4 @@ async def layout_omitted_only_after_echo(t: PairCtx) -> None:
     fresh = await t.new_view()
     exchanges = [await t.exchange(t.body(p), view=fresh) for p in PROMPTS[:3]]
     t.expect_clean("9.3-R2", "3.2-R12", "3.4-R3")
-    t.require_traffic()
-    for x in exchanges:
-        t.expect_served(x)
-
-
-def _expect_pulled_and_served(t: PairCtx, exchanges: list[Exchange]) -> None:
-    """Before a case finds what D announced unsupported: D pulled, and both legs were served. A
-    D that never reached P (its bootstrap query failed, say) announced nothing, and that is a
-    failure, not a missing feature."""
-    t.require_traffic()
-    for x in exchanges:
-        t.expect_served(x)
+    t.expect_pulled_and_served(exchanges)
