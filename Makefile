@@ -13,7 +13,7 @@ EXTRAS := node,test,vllm,docs
 # pip repeats a warning for every package about index folders this machine lacks; drop only those.
 QUIET_PIP := { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 
-.PHONY: help run test test-vllm matrix lint docs bench fuzz schemas vectors spec-tables sysdeps docs-sysdeps clean
+.PHONY: help run test test-vllm matrix lint docs bench fuzz schemas vectors spec-tables sysdeps docs-sysdeps bytecode clean
 
 help:
 	@echo "make run        set up .venv, then run a 1P1D deployment on loopback and verify it byte by byte (RUN_ARGS=...)"
@@ -55,8 +55,14 @@ $(STAMP): pyproject.toml
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
 	@touch $(STAMP)
 
+# The project's bytecode, written ahead (an editable install writes none): where
+# PYTHONDONTWRITEBYTECODE is set, every process the suite starts (nodes, their workers, CLIs)
+# would otherwise compile each module of the project it imports.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q pdwire reference_connector conformance mutants fuzz tests
+
 RUN_ARGS ?=
-run: $(STAMP) sysdeps
+run: $(STAMP) sysdeps bytecode
 	$(VENV)/bin/pdwire vectors check
 	$(VENV)/bin/pdwire run $(RUN_ARGS)
 
@@ -68,10 +74,10 @@ lint: $(STAMP)
 # pytest-xdist workers, each running whole modules (tests/conftest.py); much of the suite waits
 # on processes and timers, time that a second worker fills. TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
-test: $(STAMP) sysdeps lint docs
+test: $(STAMP) sysdeps lint docs bytecode
 	$(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test-vllm: $(STAMP) sysdeps
+test-vllm: $(STAMP) sysdeps bytecode
 	$(VENV)/bin/pytest -m vllm
 
 # Every P release x D release of vLLM's connector (tests/interop/releases.py): about 9 minutes
