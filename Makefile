@@ -24,6 +24,7 @@ help:
 	@echo "make bench      benchmarks: codec vs msgspec, planning vs a per-block loop, simulator scale"
 	@echo "make fuzz       coverage-guided fuzzing of every decoder and both sessions (FUZZ_SECONDS=60 per target)"
 	@echo "make schemas | vectors | spec-tables   regenerate the spec's generated parts from the code"
+	@echo "make bytecode   write the project's bytecode (make run and make test do it first)"
 
 # System packages: the library the Mooncake transfer engine needs even over TCP, and tcpdump,
 # whose captures the tests of pdwire decode --pcap read.
