@@ -340,22 +340,6 @@ async def run_suites(
         )
         return await run_consumer(copts, cases, options, on_result)
 
-    async def proxy() -> list[Result]:
-        if Suite.PROXY not in wanted:
-            return []
-        from .suites.proxy_env import reference_options, run_proxy
-
-        proxyopts = reference_options(bed.env_of("proxy"), timeout)
-        return await run_proxy(proxyopts, cases, options, on_result)
-
-    async def registration() -> list[Result]:
-        if Suite.REGISTRATION not in wanted:
-            return []
-        from .suites import registration_env
-
-        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
-        return await registration_env.run_registration(regopts, cases, options, on_result)
-
     results = flat(await together(producer(), consumer()))
     if Suite.PAIR in wanted and p is not None and d is not None:
         from .suites.pair_env import PairOptions, run_pair
@@ -364,8 +348,17 @@ async def run_suites(
             prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
         )
         results += await run_pair(pairopts, cases, options, on_result)
-    results += await proxy()
-    return results + await registration()
+    if Suite.PROXY in wanted:
+        from .suites.proxy_env import reference_options, run_proxy
+
+        proxyopts = reference_options(bed.env_of("proxy"), timeout)
+        results += await run_proxy(proxyopts, cases, options, on_result)
+    if Suite.REGISTRATION in wanted:
+        from .suites import registration_env
+
+        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
+        results += await registration_env.run_registration(regopts, cases, options, on_result)
+    return results
 
 
 @contextlib.asynccontextmanager

@@ -21,8 +21,11 @@ from conformance.selftest import DEFAULT, KEYED, LEASED, SLOW_PREFILL, Layout
 BOUND_S = 5.0  # no wait of these tests comes near it unless a layout waits for another forever
 
 
-def _one_case_of(layout: Layout) -> Case:
-    return next(c for c in all_cases() if selftest.layout_of(c) == layout)
+def _one_case_of(layout: Layout, suite: str = "") -> Case:
+    """A case that runs in ``layout`` (of ``suite``, when given)."""
+    return next(
+        c for c in all_cases() if selftest.layout_of(c) == layout and suite in ("", c.suite.value)
+    )
 
 
 @dataclasses.dataclass
@@ -132,9 +135,6 @@ async def test_the_producer_and_consumer_suites_of_a_testbed_run_at_once(
     monkeypatch.setattr(pair_env, "run_pair", suite("pair", None))
     node = types.SimpleNamespace(url="http://127.0.0.1:1", bootstrap="http://127.0.0.1:2")
     bed = selftest.Testbed(DEFAULT, nodes={"prefill": node, "decode": node})  # type: ignore[dict-item]
-    cases = [
-        next(c for c in all_cases() if c.suite.value == name and selftest.layout_of(c) == DEFAULT)
-        for name in ("producer", "consumer", "pair")
-    ]
+    cases = [_one_case_of(DEFAULT, name) for name in ("producer", "consumer", "pair")]
     await asyncio.wait_for(selftest.run_suites(bed, cases, RunOptions(), None, 1.0), 2 * BOUND_S)
     assert sorted(order[:2]) == ["consumer", "producer"] and order[2:] == ["pair"]
