@@ -298,16 +298,11 @@ async def run_suites(
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    """Every suite of ``cases`` whose testees ``bed`` holds, against them. The producer suite
-    (against P) and the consumer suite (against D, with a P of the harness's own) run at once,
-    then the pair suite (against both); the proxy and registration suites, which start testees
-    of their own, one after the other."""
+    """Every suite of ``cases`` whose testees ``bed`` holds, against them."""
     wanted = {c.suite for c in cases}
     p, d = bed.nodes.get("prefill"), bed.nodes.get("decode")
-
-    async def producer() -> list[Result]:
-        if Suite.PRODUCER not in wanted or p is None:
-            return []
+    results: list[Result] = []
+    if Suite.PRODUCER in wanted and p is not None:
         from .suites.producer_env import ProducerOptions
         from .suites.run import run_producer
 
@@ -321,11 +316,8 @@ async def run_suites(
             auth_key=bed.auth_key,
             limits=REFERENCE.as_dict(),
         )
-        return await run_producer(popts, cases, options, on_result)
-
-    async def consumer() -> list[Result]:
-        if Suite.CONSUMER not in wanted or d is None:
-            return []
+        results += await run_producer(popts, cases, options, on_result)
+    if Suite.CONSUMER in wanted and d is not None:
         from .suites.consumer_env import ConsumerOptions, run_consumer
 
         copts = ConsumerOptions(
@@ -338,9 +330,7 @@ async def run_suites(
             d_command=reference_d_command(bed.env_of("decode")),
             sliding_window=bed.layout.sliding_window or None,
         )
-        return await run_consumer(copts, cases, options, on_result)
-
-    results = flat(await together(producer(), consumer()))
+        results += await run_consumer(copts, cases, options, on_result)
     if Suite.PAIR in wanted and p is not None and d is not None:
         from .suites.pair_env import PairOptions, run_pair
 

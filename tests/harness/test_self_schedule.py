@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,34 +106,3 @@ async def test_a_lane_that_fails_stops_every_testbed_and_raises_its_own_error(
         await asyncio.wait_for(selftest._run_layouts(cases, RunOptions(), None, 1.0), BOUND_S)
     assert DEFAULT in beds.started and KEYED in beds.started
     assert sorted(beds.stopped) == sorted(beds.started)
-
-
-@pytest.mark.asyncio
-async def test_the_producer_and_consumer_suites_of_a_testbed_run_at_once(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """``run_suites`` runs the producer suite (against P) and the consumer suite (against D)
-    at once, and the pair suite (against both) after them."""
-    from conformance.suites import consumer_env, pair_env, run
-
-    began = {"producer": asyncio.Event(), "consumer": asyncio.Event()}
-    order: list[str] = []
-
-    def suite(name: str, other: str | None) -> Any:
-        async def fake(options: Any, cases: Sequence[Case], *_: Any) -> list[Result]:
-            order.append(name)
-            if other is not None:
-                began[name].set()
-                await asyncio.wait_for(began[other].wait(), BOUND_S)
-            return []
-
-        return fake
-
-    monkeypatch.setattr(run, "run_producer", suite("producer", "consumer"))
-    monkeypatch.setattr(consumer_env, "run_consumer", suite("consumer", "producer"))
-    monkeypatch.setattr(pair_env, "run_pair", suite("pair", None))
-    node = types.SimpleNamespace(url="http://127.0.0.1:1", bootstrap="http://127.0.0.1:2")
-    bed = selftest.Testbed(DEFAULT, nodes={"prefill": node, "decode": node})  # type: ignore[dict-item]
-    cases = [_one_case_of(DEFAULT, name) for name in ("producer", "consumer", "pair")]
-    await asyncio.wait_for(selftest.run_suites(bed, cases, RunOptions(), None, 1.0), 2 * BOUND_S)
-    assert sorted(order[:2]) == ["consumer", "producer"] and order[2:] == ["pair"]
