@@ -18,7 +18,7 @@ import dataclasses
 import os
 import shlex
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -134,7 +134,7 @@ LAYOUTS: Final[dict[str, Layout]] = {
 BESIDE: Final = frozenset({Suite.PROXY, Suite.REGISTRATION})
 #: The layouts whose cases time the testees' periodic timers to a fraction of a second (lease
 #: renewals, a prefill of a set length): they run last, when the suites that run beside the
-#: layouts (``BESIDE``), which start testees of their own, have ended.
+#: layouts (``BESIDE``) have ended.
 LAST: Final = frozenset({LEASED, SLOW_PREFILL})
 
 
@@ -275,22 +275,6 @@ def reference_d_command(env: dict[str, str] | None = None) -> str:
     return with_env(shlex.join(args), env or {})
 
 
-async def together(*runs: Awaitable[list[Result]]) -> list[list[Result]]:
-    """The results of ``runs``, run at once; when one fails, the others are cancelled and its
-    error raised."""
-    tasks = [asyncio.ensure_future(r) for r in runs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def flat(parts: Sequence[list[Result]]) -> list[Result]:
-    return [r for part in parts for r in part]
-
-
 async def run_suites(
     bed: Testbed,
     cases: Sequence[Case],
@@ -368,56 +352,36 @@ async def _run_layouts(
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
-    quiet: Awaitable[object] | None = None,
 ) -> list[Result]:
-    """``cases`` against the testbed of each layout they need, in two lanes at once: DEFAULT's
-    in one; in the other, the other layouts one after another, and then those of ``LAST``
-    together, once ``quiet`` (the suites beside, ``BESIDE``) has ended too. In a lane, the next
-    layout's testees start while the cases of one run (those of ``LAST`` while the last of the
-    others run), and a layout's testees stop while the next one's run: starting and stopping
+    """``cases`` against the testbed of each layout they need, one layout after another:
+    DEFAULT's first, those of ``LAST`` last. The next layout's testees start while the cases
+    of one run, and a layout's testees stop while the next one's run: starting and stopping
     are mostly waiting for processes."""
     plan = by_layout(cases)
-    beds: dict[Layout, asyncio.Task[Testbed]] = {}
-    ran: set[Layout] = set()  # those whose testees a lane took, and stops
+    order = sorted(plan, key=lambda layout: layout in LAST)
+    results: list[Result] = []
     stopping: list[asyncio.Task[None]] = []
-    last = [layout for layout in plan if layout in LAST]
+    starting: list[asyncio.Task[Testbed]] = []
 
-    def start(layouts: Sequence[Layout]) -> None:
-        for layout in layouts:
-            if layout not in beds:
-                beds[layout] = asyncio.create_task(_started(layout, roles_for(plan[layout])))
+    def start_up_to(n: int) -> None:
+        for layout in order[len(starting) : n]:
+            starting.append(asyncio.create_task(_started(layout, roles_for(plan[layout]))))
 
-    async def lane(layouts: Sequence[Layout], then: Sequence[Layout] = ()) -> list[Result]:
-        results: list[Result] = []
-        for i, layout in enumerate(layouts):
-            start([layout])
-            bed = await beds[layout]
-            ran.add(layout)
-            start(layouts[i + 1 : i + 2] or then)
+    start_up_to(1)
+    try:
+        for i, layout in enumerate(order):
+            bed = await starting[i]
+            start_up_to(i + 2)
             try:
                 results += await run_suites(bed, plan[layout], options, on_result, timeout)
             finally:
                 stopping.append(asyncio.create_task(bed.stop()))
-        start(then)
-        return results
-
-    async def second() -> list[Result]:
-        others = [layout for layout in plan if layout != DEFAULT and layout not in LAST]
-        results = await lane(others, then=last)
-        if quiet is not None:
-            await asyncio.wait([asyncio.ensure_future(quiet)])
-        return results + flat(await together(*(lane([layout]) for layout in last)))
-
-    try:
-        return flat(
-            await together(lane([layout for layout in plan if layout == DEFAULT]), second())
-        )
     finally:
-        for layout, task in beds.items():
-            if layout not in ran:  # started, or starting, and never run
-                with contextlib.suppress(BaseException):  # one that failed stopped its nodes
-                    stopping.append(asyncio.create_task((await task).stop()))
+        for task in starting[len(stopping) :]:  # started, or starting, and never run
+            with contextlib.suppress(BaseException):  # one that failed stopped its nodes
+                stopping.append(asyncio.create_task((await task).stop()))
         await asyncio.gather(*stopping)
+    return results
 
 
 async def _started(layout: Layout, roles: set[Role]) -> Testbed:
@@ -446,7 +410,7 @@ async def run_self(
     alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
-        results = await _run_layouts(rest, options, on_result, timeout, alongside)
+        results = await _run_layouts(rest, options, on_result, timeout)
         results += await alongside
     finally:
         if not alongside.done():
