@@ -443,6 +443,42 @@ def _first_reply_completes() -> None:
     replace(ConsumerSession, "_start_pulls", start_pulls)
 
 
+#: How late the mutant error-fails-late answers a failed load: twice the least gap of
+#: consumer/10.10/3, as late as vLLM's own D answered on a loaded machine.
+LATE_S = 0.6
+
+
+@mutant(
+    "error-fails-late",
+    "decode",
+    "fails a request as soon as one of its pulls fails (as vLLM 0.32 does), and, slowed as on a "
+    f"loaded machine, answers a failed load {LATE_S} s late",
+    cases=("consumer/10.10/3",),
+)
+def _error_fails_late() -> None:
+    from reference_connector.node import NodeEngine
+
+    fail_pull = ConsumerSession._fail_pull
+
+    def fail_at_once(self: ConsumerSession, pull: Any, code: ErrorCode, reason: str) -> None:
+        for d_req in pull.reqs:
+            load = self._loads.get(d_req)
+            if load is not None:
+                load.outstanding = min(load.outstanding, 1)
+        fail_pull(self, pull, code, reason)
+
+    load = NodeEngine._load
+
+    async def load_late(self: NodeEngine, *args: Any) -> Any:
+        got = await load(self, *args)
+        if got[0] is not None:
+            await asyncio.sleep(LATE_S)
+        return got
+
+    replace(ConsumerSession, "_fail_pull", fail_at_once)
+    replace(NodeEngine, "_load", load_late)
+
+
 # -- bootstrap --------------------------------------------------------------------------------
 
 

@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from pdwire.messages import XferResponseStatus
 from pdwire.planning import target_ranks
 
 from ..case import Unsupported, expect
+from ..peers.fake_p import FakeP
 from .consumer_env import FAST, QUIET, ConsumerCtx, consumer_case
 
 ERROR = XferResponseStatus.ERROR
-APART = 0.3  # seconds between the answers of two P ranks
+APART = 0.3  # the least time, in seconds, between the answers of two P ranks
+GAPS = 3  # the time between them, in D's times to answer once every pull settled
+MAX_APART = 10.0
+TRIES = 3
 
 
 @consumer_case(
@@ -98,29 +103,58 @@ async def pulls_every_p_stage(t: ConsumerCtx) -> None:
 )
 async def answers_once_every_pull_settled(t: ConsumerCtx) -> None:
     """D answers a request only when every pull for it settled: from a P of TP 2 whose ranks
-    answer 0.3 s apart, ok then failed fails it, and ERROR then ok fails it, each time only
-    after the second answer."""
+    answer apart, ok then failed fails it, and ERROR then ok fails it, each time only after the
+    second answer. The answers are at least 0.3 s apart, and three times as long as D takes to
+    answer once every pull is served, so that a D slowed by its machine, which answers the first
+    late, still answers it within the gap. When D takes more than half the gap to answer once the
+    second settled, its answer may be a late one to the first: the request is sent again with a
+    wider gap."""
     fake = await t.fake_p(tp=2)
+    leg = t.start(fake)
+    for rx in await t.all_pulls(fake, leg):
+        await fake.serve(rx)
+    served = time.monotonic()
+    t.expect_decoded(await leg.result(), "the request whose every pull was served")
+    base = max(APART, GAPS * (time.monotonic() - served))
     for first_ok in (True, False):
-        leg = t.start(fake)
-        pulls = await t.all_pulls(fake, leg)
-        head, rest = pulls[0], pulls[1:]
-        d_req = head.d_req(leg.transfer_id)
+        apart = base
+        for attempt in range(1, TRIES + 1):
+            late = await _answer_after_the_second(t, fake, first_ok, apart)
+            if 2 * late < apart:
+                break
+            if attempt == TRIES:
+                raise Unsupported(
+                    f"D took {late:.2f}s to answer once the second pull settled, more than half "
+                    f"of the {apart:.2f}s between the two: too slow to tell which it waited for"
+                )
+            apart = min(GAPS * late, MAX_APART)
+
+
+async def _answer_after_the_second(
+    t: ConsumerCtx, fake: FakeP, first_ok: bool, apart: float
+) -> float:
+    """One request from ``fake`` (TP 2) whose first pull settles ok (or ERROR), and the other
+    ``apart`` seconds later the other way. Fails the case when D answers before the second
+    settled; returns how long D took to answer after it did."""
+    leg = t.start(fake)
+    pulls = await t.all_pulls(fake, leg)
+    head, rest = pulls[0], pulls[1:]
+    d_req = head.d_req(leg.transfer_id)
+    if first_ok:
+        await fake.serve(head)
+    else:
+        await fake.reply(head, ERROR, err_msg="the fake P failed this pull", err_code="INTERNAL")
+    done, _ = await asyncio.wait([leg.task], timeout=apart)
+    expect(
+        not done,
+        f"D answered within {apart:.2f}s of the first of {len(pulls)} pulls settling "
+        f"({'ok' if first_ok else 'ERROR'}), while another P rank could still write",
+    )
+    for rx in rest:
         if first_ok:
-            await fake.serve(head)
+            await fake.reply(rx, err=[rx.d_req(leg.transfer_id)], err_msg="failed")
         else:
-            await fake.reply(
-                head, ERROR, err_msg="the fake P failed this pull", err_code="INTERNAL"
-            )
-        done, _ = await asyncio.wait([leg.task], timeout=APART)
-        expect(
-            not done,
-            f"D answered after the first of {len(pulls)} pulls settled "
-            f"({'ok' if first_ok else 'ERROR'}), while another P rank could still write",
-        )
-        for rx in rest:
-            if first_ok:
-                await fake.reply(rx, err=[rx.d_req(leg.transfer_id)], err_msg="failed")
-            else:
-                await fake.serve(rx)
-        t.expect_failed(await leg.result(), f"request {d_req}")
+            await fake.serve(rx)
+    settled = time.monotonic()
+    t.expect_failed(await leg.result(), f"request {d_req}")
+    return time.monotonic() - settled
