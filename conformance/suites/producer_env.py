@@ -39,6 +39,10 @@ from ..peers.p_engine import OfPEngine, PEngine, query_engine
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
 PULL_FIRST_QUIET: Final = 2.0  # seconds; see ProducerCtx.pull_first_quiet
+#: How long a release-only pull of a case's leftover transfer waits for P's answer, seconds: P
+#: answers one for a transfer it holds at once, and one for a transfer it no longer holds
+#: perhaps only at its timer.
+RELEASE_WAIT: Final = 2.0
 M = TypeVar("M", XferMetadataV2, XferCancel)
 
 
@@ -212,6 +216,35 @@ class ProducerCtx:
         self.log = log
         self.options = env.options
         self.geometry = env.geometry
+        self._prefilled: dict[str, None] = {}  # transfers whose P leg answered, in order
+        self._settled: set[tuple[str, str]] = set()  # (transfer, P worker) that served it
+        self._d_reqs: dict[str, str] = {}  # transfer -> the D request of its last pull
+
+    async def close(self) -> None:
+        """Release-only pulls (10.10.8) of every transfer the case had P hold, to each P worker
+        that did not serve it, as a D that will not load it sends: P frees its blocks now, not at
+        its timer. A P of vLLM's own steps its engine every millisecond while it holds blocks."""
+        keyed = self.options.auth_key is not None
+        pulls = []
+        for tid in self._prefilled:
+            # P keeps a transfer for the D request that pulled it (10.11.7): release that one.
+            d_req = self._d_reqs.get(tid) or self.new_d_req()
+            for w in self.d_workers():
+                for addr in self._targets_or_none(w):
+                    if (tid, addr) not in self._settled:
+                        release = {d_req: (tid, w.group_lists([]))}
+                        pulls.append(
+                            self.pull(w, addr, release, announce=keyed, timeout=RELEASE_WAIT)
+                        )
+        if pulls:
+            self.log.note(f"releasing the {len(self._prefilled)} transfers the case left at P")
+            await asyncio.gather(*pulls, return_exceptions=True)
+
+    def _targets_or_none(self, worker: DWorker) -> list[str]:
+        try:
+            return self.targets(worker)
+        except CaseFailed:
+            return []
 
     # -- P -----------------------------------------------------------------------------------
 
@@ -306,7 +339,7 @@ class ProducerCtx:
             **body,
         }
         headers = {"X-Request-Id": request_id()}
-        return await request(
+        got = await request(
             self.env.http,
             "POST",
             f"{self.options.api}/v1/completions",
@@ -314,6 +347,10 @@ class ProducerCtx:
             body=payload,
             headers=headers,
         )
+        sent = payload["kv_transfer_params"]
+        if got.ok and isinstance(sent, dict) and isinstance(sent.get("transfer_id"), str):
+            self._prefilled[sent["transfer_id"]] = None
+        return got
 
     def start_prefill(
         self, transfer: str | None, tokens: int | None = None, **kw: Any
@@ -433,9 +470,15 @@ class ProducerCtx:
     ) -> PullResult:
         """Send raw frames on a new DEALER to ``addr``; collect the replies."""
         wait = timeout if timeout is not None else self.options.request_timeout
-        return await exchange(
+        got = await exchange(
             self.env.zmq, addr, data, wait, self.log, linger_after=linger_after, on_reply=on_reply
         )
+        transfers = _transfers_of(data)
+        self._d_reqs.update({tid: d_req for d_req, tid in transfers.items()})
+        for d_req in got.ok():  # P may keep a transfer it answered in err_reqs, for a retry
+            if d_req in transfers:
+                self._settled.add((transfers[d_req], addr))
+        return got
 
     async def pull(
         self,
@@ -638,6 +681,25 @@ def describe(worker: DWorker) -> str:
     s = worker.side
     pp = f" PP rank {worker.pp_rank}/{s.pp_size}" if s.pp_size > 1 else ""
     return f"D TP rank {s.tp_rank}/{s.tp_size}{pp}"
+
+
+def _transfers_of(data: bytes | list[bytes]) -> dict[str, str]:
+    """The transfer_id of each D request a pull's bytes name; nothing for what is not a pull."""
+    try:
+        obj = msgspec.msgpack.decode(data) if isinstance(data, bytes) else None
+    except msgspec.DecodeError:
+        return {}
+    reqs = obj.get("req_blocks") if isinstance(obj, dict) else None
+    if not isinstance(reqs, dict):
+        return {}
+    return {
+        d_req: entry[0]
+        for d_req, entry in reqs.items()
+        if isinstance(d_req, str)
+        and isinstance(entry, list)
+        and entry
+        and isinstance(entry[0], str)
+    }
 
 
 async def _is_set_within(event: asyncio.Event, seconds: float) -> bool:
