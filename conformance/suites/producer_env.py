@@ -225,19 +225,20 @@ class ProducerCtx:
         that did not serve it, as a D that will not load it sends: P frees its blocks now, not at
         its timer. A P of vLLM's own steps its engine every millisecond while it holds blocks."""
         keyed = self.options.auth_key is not None
-        pulls = []
+        pulls, left = [], set()
         for tid in self._prefilled:
             # P keeps a transfer for the D request that pulled it (10.11.7): release that one.
             d_req = self._d_reqs.get(tid) or self.new_d_req()
             for w in self.d_workers():
                 for addr in self._targets_or_none(w):
                     if (tid, addr) not in self._settled:
+                        left.add(tid)
                         release = {d_req: (tid, w.group_lists([]))}
                         pulls.append(
                             self.pull(w, addr, release, announce=keyed, timeout=RELEASE_WAIT)
                         )
         if pulls:
-            self.log.note(f"releasing the {len(self._prefilled)} transfers the case left at P")
+            self.log.note(f"releasing the {len(left)} transfers the case left at P")
             await asyncio.gather(*pulls, return_exceptions=True)
 
     def _targets_or_none(self, worker: DWorker) -> list[str]:
