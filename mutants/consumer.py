@@ -435,12 +435,17 @@ def _first_reply_completes() -> None:
 
     def start_pulls(self: ConsumerSession, engine_id: str, reqs: Any, now: float) -> None:
         original(self, engine_id, reqs, now)
-        for req in reqs:
-            load = self._loads.get(req.d_req_id)
-            if load is not None:
-                load.outstanding = min(load.outstanding, 1)
+        _settle_at_next_reply(self, [req.d_req_id for req in reqs])
 
     replace(ConsumerSession, "_start_pulls", start_pulls)
+
+
+def _settle_at_next_reply(session: ConsumerSession, d_reqs: list[str]) -> None:
+    """Make the next pull that settles each of ``d_reqs`` settle the request, not its last."""
+    for d_req in d_reqs:
+        load = session._loads.get(d_req)
+        if load is not None:
+            load.outstanding = min(load.outstanding, 1)
 
 
 #: How late the mutant error-fails-late answers a failed load: twice the least gap of
@@ -461,10 +466,7 @@ def _error_fails_late() -> None:
     fail_pull = ConsumerSession._fail_pull
 
     def fail_at_once(self: ConsumerSession, pull: Any, code: ErrorCode, reason: str) -> None:
-        for d_req in pull.reqs:
-            load = self._loads.get(d_req)
-            if load is not None:
-                load.outstanding = min(load.outstanding, 1)
+        _settle_at_next_reply(self, list(pull.reqs))
         fail_pull(self, pull, code, reason)
 
     load = NodeEngine._load
