@@ -3,13 +3,17 @@ harness tests, and the sizes and version that entry says."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-from typing import Any
+from typing import Any, Final
 
 import httpx
 
 from ..case import WireLog
 from .http import request
+
+#: Seconds between the asks of a run that waits for P's workers to register.
+REGISTRATION_POLL_S: Final = 0.2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,3 +76,36 @@ async def query_engine(
         if isinstance(entry, dict) and engine_id in (None, entry.get("engine_id")):
             return PEngine(got.body, int(dp), entry)
     return f"no engine {engine_id!r} at {bootstrap}"
+
+
+async def registered_engine(
+    http: httpx.AsyncClient, bootstrap: str, engine_id: str | None, log: WireLog, timeout: float
+) -> PEngine | str:
+    """``query_engine``, asked again until the entry lists as many workers as its tp_size and
+    pp_size say, or ``timeout`` seconds pass: a P answers ``/health`` before each of its
+    workers has registered at its bootstrap server (§4.1), later still on a loaded machine."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        picked = await query_engine(http, bootstrap, engine_id, log)
+        missing = picked if isinstance(picked, str) else _unregistered(picked)
+        if not missing:
+            return picked
+        if loop.time() >= deadline:
+            return missing
+        await asyncio.sleep(REGISTRATION_POLL_S)  # another process registering: nothing to await
+
+
+def _unregistered(p: PEngine) -> str:
+    """Why the entry lacks workers its sizes name, or "" when it has them all."""
+    addrs = p.entry.get("worker_addr")
+    count = (
+        sum(len(s) for s in addrs.values() if isinstance(s, dict)) if isinstance(addrs, dict) else 0
+    )
+    want = int(p.entry.get("tp_size") or 1) * int(p.entry.get("pp_size") or 1)
+    if count >= max(want, 1):
+        return ""
+    return (
+        f"P's engine {p.entry.get('engine_id')!r} lists {count} of the {want} workers its "
+        "tp_size and pp_size name: are they all up and registered?"
+    )

@@ -23,7 +23,7 @@ import httpx
 from ..case import Case, CaseFailed, Suite, Unsupported, WireLog, expect
 from ..peers.http import HttpResult, client, request, request_id, transfer_id
 from ..peers.observer import HARNESS, REAL, Observer, Problem, Relayed
-from ..peers.p_engine import OfPEngine, PEngine, query_engine
+from ..peers.p_engine import OfPEngine, PEngine, registered_engine
 from ..runner import DEFAULT_REQUEST_TIMEOUT, Result, RunOptions, run_suite
 
 #: Prompts of different lengths: shorter than a block, a few blocks, many blocks.
@@ -233,7 +233,9 @@ class PairEnv(OfPEngine):
                     f"{name} at {url} does not answer GET /health with 200 "
                     f"(HTTP {got.status} {got.error or _short(got.body)}): is it up?"
                 )
-        picked = await query_engine(self.http, o.prefill_bootstrap, o.engine_id, log)
+        picked = await registered_engine(
+            self.http, o.prefill_bootstrap, o.engine_id, log, o.request_timeout
+        )
         if isinstance(picked, str):
             raise RuntimeError(picked)
         self.p = picked

@@ -35,7 +35,7 @@ from ..discovery import discover
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, client, request, request_id, transfer_id
-from ..peers.p_engine import OfPEngine, PEngine, query_engine
+from ..peers.p_engine import OfPEngine, PEngine, query_engine, registered_engine
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
 PULL_FIRST_QUIET: Final = 2.0  # seconds; see ProducerCtx.pull_first_quiet
@@ -89,9 +89,13 @@ class ProducerEnv(OfPEngine):
 
     async def open(self) -> None:
         log = WireLog()
-        why = await self.refresh()
-        if why is not None:
-            raise RuntimeError(why)
+        o = self.options
+        picked = await registered_engine(
+            self.http, o.bootstrap, o.engine_id, log, o.request_timeout
+        )
+        if isinstance(picked, str):
+            raise RuntimeError(picked)
+        self.p = picked
         fp = self.entry.get("fingerprint")
         if isinstance(fp, dict):
             self.fingerprint = Fingerprint(**fp)
