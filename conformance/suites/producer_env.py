@@ -35,7 +35,7 @@ from ..discovery import discover
 from ..peers.engine import Engine
 from ..peers.fake_d import DWorker, PullResult, Reply, exchange
 from ..peers.http import HttpResult, client, request, request_id, transfer_id
-from ..peers.p_engine import OfPEngine, PEngine, query_engine, registered_engine
+from ..peers.p_engine import OfPEngine, PEngine, registered_engine
 
 DEFAULT_BLOCKS: Final = 64  # blocks of each fake D worker
 PULL_FIRST_QUIET: Final = 2.0  # seconds; see ProducerCtx.pull_first_quiet
@@ -89,13 +89,9 @@ class ProducerEnv(OfPEngine):
 
     async def open(self) -> None:
         log = WireLog()
-        o = self.options
-        picked = await registered_engine(
-            self.http, o.bootstrap, o.engine_id, log, o.request_timeout
-        )
-        if isinstance(picked, str):
-            raise RuntimeError(picked)
-        self.p = picked
+        why = await self.refresh(self.options.request_timeout)
+        if why is not None:
+            raise RuntimeError(why)
         fp = self.entry.get("fingerprint")
         if isinstance(fp, dict):
             self.fingerprint = Fingerprint(**fp)
@@ -138,11 +134,12 @@ class ProducerEnv(OfPEngine):
                 raise RuntimeError(f"GET {self.options.api}/v1/models named no model") from None
         self.engine = Engine()
 
-    async def refresh(self) -> str | None:
-        """Learn P's engine and its workers' addresses from its bootstrap server: None when it
-        named them, else what went wrong."""
+    async def refresh(self, wait: float = 0.0) -> str | None:
+        """Learn P's engine and its workers' addresses from its bootstrap server, waiting up to
+        ``wait`` seconds for every worker to register: None when it named them all, else what
+        went wrong."""
         o = self.options
-        picked = await query_engine(self.http, o.bootstrap, o.engine_id, WireLog())
+        picked = await registered_engine(self.http, o.bootstrap, o.engine_id, WireLog(), wait)
         if isinstance(picked, str):
             return picked
         self.p = picked
