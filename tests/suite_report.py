@@ -38,9 +38,9 @@ def verdicts(doc: dict[str, Any]) -> dict[str, str]:
 
 
 def unexpected(doc: dict[str, Any]) -> dict[str, str]:
-    """The detail of each unexpected case by its id: a failure nobody expected, or a case that
-    was not run (blocked), with the reason."""
-    return {c["id"]: c["detail"] for c in doc["cases"] if c["unexpected"]}
+    """The verdict and detail of each unexpected case by its id: a failure nobody expected, a
+    known-failing case that passed, or a case that was not run (blocked), with the reason."""
+    return {c["id"]: f"{c['verdict']}: {c['detail']}" for c in doc["cases"] if c["unexpected"]}
 
 
 def only(doc: dict[str, Any]) -> dict[str, Any]:

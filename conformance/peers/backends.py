@@ -42,6 +42,7 @@ class Hit:
     finished: float | None = None  # when the whole answer was sent
     aborted: float | None = None  # when the caller went away before the answer was complete
     answer: Any = None  # the body answered, when not streamed
+    status: int | None = None  # the HTTP status answered, when not streamed
     chunks: list[tuple[float, bytes]] = dataclasses.field(default_factory=list)  # streamed
 
     @property
@@ -114,7 +115,7 @@ class Backend:
 
     def answered(self, hit: Hit, status: int, body: Any) -> None:
         hit.answered = hit.finished = time.monotonic()
-        hit.answer = body
+        hit.answer, hit.status = body, status
         self.log.sent(f"http fake {self.name} {hit.method} {hit.path}", f"HTTP {status}", body)
 
     async def wait(self, match: Callable[[Hit], bool], timeout: float) -> Hit | None:

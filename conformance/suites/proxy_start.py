@@ -53,6 +53,7 @@ async def waits_for_health_then_queries(t: ProxyCtx) -> None:
     expect(query is not None, f"the proxy did not GET /query within {STEP_S}s of P being healthy")
     assert query is not None
     expect(query.arrived >= healthy, "the proxy queried before P's /health answered 200")
+    _expect_health_before_each_query(w)
     reply = await t.until_served(w, STEP_S)
     expect(reply.status == 200, f"after start-up the proxy answered {reply.describe()}")
     body = t.body()
@@ -63,6 +64,20 @@ async def waits_for_health_then_queries(t: ProxyCtx) -> None:
         f"the D leg names remote_engine_id {engine!r}, not an engine id of P's /query answer "
         f"{sorted(w.bootstrap.engines.values())}",
     )
+
+
+def _expect_health_before_each_query(w: World) -> None:
+    """Each /query the proxy sent came after a /health of P that answered 200: the last one
+    answered before the query arrived. A query sent after a 503 is caught even when it reached
+    the bootstrap server late, after P had turned healthy."""
+    answers = [(h.answered, h.status) for h in w.p.of("/health") if h.answered is not None]
+    for query in w.bootstrap.of("/query"):
+        last = max((a for a in answers if a[0] <= query.arrived), default=None)
+        expect(
+            last is not None and last[1] == 200,
+            f"the proxy queried P's bootstrap server after P's /health answered "
+            f"{'nothing' if last is None else last[1]}, not 200",
+        )
 
 
 @case(
