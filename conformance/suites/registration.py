@@ -203,16 +203,18 @@ async def _probe_while_held(t: RegistrationCtx, p: Deployment) -> None:
     """4.4-R6: each registration, while the server holds its answer, gets a malformed message
     at the address it registers; P's ERROR to it (2.4-R1) must come after the server's 200."""
     ctx = zmq.asyncio.Context()
-    probes: dict[int, asyncio.Task[float | None]] = {}
+    # by the attempt's id(): the list of registrations is in the order the connections opened,
+    # and one opened earlier may be read later, so an index would name another attempt then
+    probes: dict[int, tuple[Attempt, asyncio.Task[float | None]]] = {}
     reply_wait = HOLD_S + t.options.request_timeout
     try:
         # each registration gets a probe as it arrives, until none arrived for HOLD_S
         while True:
             attempts = p.registrar.registrations()
-            for i, a in enumerate(attempts):
-                if i not in probes and a.addr is not None and a.arrived is not None:
+            for a in attempts:
+                if id(a) not in probes and a.addr is not None and a.arrived is not None:
                     t.log.sent(f"zmq {a.addr}", "a malformed message, while P registers")
-                    probes[i] = asyncio.create_task(_probe(ctx, a.addr, reply_wait))
+                    probes[id(a)] = (a, asyncio.create_task(_probe(ctx, a.addr, reply_wait)))
             last = max(a.arrived or a.opened for a in attempts)
             seen = len(attempts)
             if not await p.registrar.wait(
@@ -220,10 +222,8 @@ async def _probe_while_held(t: RegistrationCtx, p: Deployment) -> None:
                 last + HOLD_S - time.monotonic(),
             ):
                 break
-        attempts = p.registrar.registrations()
-        for i, task in probes.items():
+        for a, task in probes.values():
             replied = await task
-            a = attempts[i]
             expect(
                 replied is not None,
                 f"4.4-R6: P worker {a.worker} at {a.addr} never answered a malformed message "
@@ -236,7 +236,7 @@ async def _probe_while_held(t: RegistrationCtx, p: Deployment) -> None:
                 f"before its registration succeeded",
             )
     finally:
-        for task in probes.values():
+        for _, task in probes.values():
             task.cancel()
         ctx.destroy(linger=0)
 

@@ -9,14 +9,19 @@ import asyncio
 import itertools
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from conformance import cli
 from conformance.case import WireLog
 from conformance.peers import loop_lag
 from conformance.peers.loop_lag import LoopLag
 from conformance.peers.registrar import Registrar, Script
+from conformance.suites import registration
 from pdwire.http_models import RegisterWorkerPayload
 from reference_connector import bootstrap_client
 from reference_connector.bootstrap_client import BootstrapError
@@ -93,6 +98,76 @@ async def test_loop_lag_sees_a_stall_of_the_loop_and_only_around_it() -> None:
     assert lag.late_by(after) >= 0.29
     assert lag.late_by(before - loop_lag.TICK_S) < 0.29  # the stall is not put before it
     assert lag.late_by(after + 1.0) == 0.0
+
+
+class _Worker:
+    """A P worker that registers over a raw connection, opened before it sends, and answers
+    every message at its ROUTER only once its registration was answered 200 (4.4-R6)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, tp_rank: int) -> None:
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.payload = RegisterWorkerPayload(
+            engine_id="e", dp_rank=0, tp_rank=tp_rank, pp_rank=0, addr=f"tcp://127.0.0.1:{port}"
+        )
+        self.writer: asyncio.StreamWriter | None = None
+        self.serving: asyncio.Task[None] | None = None
+
+    async def connect(self, registrar: Registrar) -> None:
+        reader, self.writer = await asyncio.open_connection(registrar.host, registrar.port)
+        self.serving = asyncio.create_task(self._serve_once_registered(reader))
+
+    def send(self) -> None:
+        assert self.writer is not None
+        body = self.payload.model_dump_json().encode()
+        head = f"POST /register HTTP/1.1\r\nhost: x\r\ncontent-length: {len(body)}\r\n\r\n"
+        self.writer.write(head.encode() + body)
+
+    async def _serve_once_registered(self, reader: asyncio.StreamReader) -> None:
+        status = (await reader.readline()).split()[1]
+        assert status == b"200", status
+        while True:
+            identity, *_ = await self.sock.recv_multipart()
+            await self.sock.send_multipart([identity, b"an ERROR"])
+
+    async def close(self) -> None:
+        if self.serving is not None:
+            self.serving.cancel()
+            await asyncio.gather(self.serving, return_exceptions=True)
+        if self.writer is not None:
+            self.writer.close()
+        self.sock.close(linger=0)
+
+
+@pytest.mark.asyncio
+async def test_each_probe_is_checked_against_its_own_registration() -> None:
+    """4.4-R6's check pairs each probe with the registration it was sent for. Worker 0 opens its
+    connection first and sends its registration after worker 1's was read, so the list of
+    registrations (in the order connections opened) puts it first only then; each worker
+    answers only after its own 200, so the check passes."""
+    registrar = Registrar(Script("accept", hold=0.5), WireLog())
+    await registrar.start()
+    ctx = zmq.asyncio.Context()
+    first, second = _Worker(ctx, 0), _Worker(ctx, 1)
+    try:
+        await first.connect(registrar)
+        await second.connect(registrar)
+        second.send()
+        assert await registrar.wait(lambda: len(registrar.registrations()) == 1, 5.0)
+        await asyncio.sleep(0.2)  # the order to cause: worker 0's arrives 0.2 s after worker 1's
+        first.send()
+        t: Any = SimpleNamespace(options=SimpleNamespace(request_timeout=5.0), log=WireLog())
+        await registration._probe_while_held(t, SimpleNamespace(registrar=registrar))
+        attempts = registrar.registrations()
+        assert [a.worker for a in attempts] == [(0, 0, 0), (0, 1, 0)]
+        assert attempts[0].answered and attempts[1].answered
+        assert attempts[0].answered - attempts[1].answered >= 0.15
+    finally:
+        await first.close()
+        await second.close()
+        ctx.destroy(linger=0)
+        await registrar.stop()
 
 
 def test_a_bad_template_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
