@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from conformance import cli
+from conformance.case import CaseFailed
 from conformance.command import with_env
+from conformance.peers.backends import Hit
+from conformance.suites import proxy_start
 from conformance.suites.proxy_env import KEY_ENV, REFERENCE_COMMAND
 from mutants import preload
 from pdwire.limits import REFERENCE
@@ -62,3 +66,31 @@ def test_a_proxy_mutant_fails_its_case(tmp_path: Path) -> None:
 def test_a_bad_template_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["proxy", "--command", "pdwire proxy --port {nope}"]) == cli.EXIT_USAGE
     assert "{prefill_url}" in capsys.readouterr().err
+
+
+def _world(health: list[tuple[float, int]], queries: list[float]) -> Any:
+    """A world whose fake P answered ``/health`` with (time, status) and whose fake bootstrap
+    server got ``/query`` at these times: the hits alone, as the fake backends record them."""
+
+    def hit(path: str, arrived: float, answered: float | None, status: int | None) -> Hit:
+        return Hit("GET", path, {}, None, arrived, answered=answered, status=status)
+
+    p = [hit("/health", at - 0.001, at, status) for at, status in health]
+    bootstrap = [hit("/query", at, None, None) for at in queries]
+    return SimpleNamespace(
+        p=SimpleNamespace(of=lambda path: [h for h in p if h.path == path]),
+        bootstrap=SimpleNamespace(of=lambda path: [h for h in bootstrap if h.path == path]),
+    )
+
+
+def test_a_query_after_a_503_fails_even_when_it_arrives_after_p_turned_healthy() -> None:
+    """proxy/5.4/1's check pairs each /query with the last /health answer before it arrived: a
+    query sent after a 503 is caught though it reached the bootstrap server after the case made
+    P healthy (as a proxy that queries whatever /health answers does under load), and a proxy
+    that queries only after a 200 passes."""
+    polls = [(1.0, 503), (2.0, 503)]
+    with pytest.raises(CaseFailed, match="answered 503, not 200"):
+        proxy_start._expect_health_before_each_query(_world(polls, [2.1]))
+    with pytest.raises(CaseFailed, match="answered nothing"):
+        proxy_start._expect_health_before_each_query(_world(polls, [0.5]))
+    proxy_start._expect_health_before_each_query(_world([*polls, (3.0, 200)], [3.1, 4.0]))
