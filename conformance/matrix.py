@@ -60,6 +60,7 @@ from .runner import (
     select,
     summary,
 )
+from .testees import reap_killed
 
 ROLES: Final = ("prefill", "decode")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -189,7 +190,7 @@ class Running:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5.0)
+                reap_killed(self.process)
         self.log.unlink(missing_ok=True)
 
 

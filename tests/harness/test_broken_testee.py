@@ -4,6 +4,9 @@ probe tells a serving testee from one that was stopped."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Final
 
@@ -159,3 +162,38 @@ async def test_the_pair_probe_tells_a_serving_pair_from_a_broken_one() -> None:
         p.stop()
         d.stop()
         await env.close()
+
+
+class _Stubborn(testees.ChildProcess):
+    """A real process that ignores SIGTERM; ``wait`` after its SIGKILL raises as a stalled
+    machine makes it (a stall cannot be caused here, so that one wait is faked)."""
+
+    def __init__(self, log_path: Path) -> None:
+        ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)"
+        code = f"{ignore}; print('ready', flush=True); time.sleep(60)"
+        self.log_path = log_path
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert self.process.stdout is not None and self.process.stdout.readline() == b"ready\n"
+        self.waits: list[float | None] = []
+        real_wait = self.process.wait
+
+        def wait(timeout: float | None = None) -> int:
+            self.waits.append(timeout)
+            if len(self.waits) == 2:  # the wait after SIGKILL
+                raise subprocess.TimeoutExpired(self.process.args, timeout or 0.0)
+            return real_wait(timeout)
+
+        self.process.wait = wait  # type: ignore[method-assign]
+
+
+def test_a_process_not_reaped_after_its_sigkill_does_not_end_the_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "stubborn.log"
+    log.write_text("its output")
+    stubborn = _Stubborn(log)
+    stubborn.stop(timeout=0.2)  # returns: SIGTERM ignored, SIGKILL sent, the reap timed out
+    assert stubborn.waits == [0.2, testees.KILL_WAIT_S]
+    assert f"process {stubborn.process.pid} was not reaped" in capsys.readouterr().err
+    assert not log.exists()
+    assert stubborn.process.wait(5.0) == -signal.SIGKILL  # the SIGKILL ended it
