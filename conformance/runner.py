@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final, Protocol, TextIO
 
 from .case import Case, CaseFailed, Skip, Suite, Unsupported, Verdict, WireLog
+from .peers.loop_lag import LoopLag
 from .requirements import Level
 from .restart import Probe
 from .restart import restart as restart_testee
@@ -92,7 +93,36 @@ def _failed_verdict(level: Level, strict: bool) -> Verdict:
     return Verdict.INFORMATIONAL
 
 
+#: Verdicts of a failed case: after one, a run asks whether the testee still serves.
+_FAILED: Final = frozenset({Verdict.FAIL, Verdict.NON_STRICT, Verdict.INFORMATIONAL})
+#: A case that failed while the harness's own loop stalled this long, in seconds, runs once
+#: more: every time the case read was late by the stall (a virtual machine whose CPUs were
+#: stopped, for tens of seconds at times, or a process not scheduled), its timers expired in it.
+STALL_S: Final = 2.0
+#: How often the loop is asked to wake to see such a stall.
+STALL_TICK_S: Final = 0.1
+
+
 async def run_case(case: Case, ctx_for: Callable[[WireLog], Any], options: RunOptions) -> Result:
+    """``case``'s result; a second run's when it failed while the loop stalled ``STALL_S`` (a
+    case that may break its testee excepted), its detail saying so and what the first said."""
+    lag = LoopLag(STALL_TICK_S)
+    lag.start()
+    try:
+        first = await _run_once(case, ctx_for, options)
+    finally:
+        await lag.stop()
+    stalled = lag.longest()
+    if first.verdict not in _FAILED or stalled < STALL_S or case.breaks_testee:
+        return first
+    again = await _run_once(case, ctx_for, options)
+    again.duration_s = round(first.duration_s + again.duration_s, 3)
+    note = f"run a second time: the harness's loop stalled {stalled:.1f}s in the first run, "
+    again.detail = "\n".join(filter(None, (f"{note}which failed: {first.detail}", again.detail)))
+    return again
+
+
+async def _run_once(case: Case, ctx_for: Callable[[WireLog], Any], options: RunOptions) -> Result:
     log = WireLog()
     start = time.monotonic()
     timeout = case.timeout * options.timeout_scale
@@ -153,10 +183,6 @@ class Progress:
         if result.detail and result.verdict not in (Verdict.PASS,):
             line += f"\n{'':>{2 * width + 4}}{result.detail}"
         print(line, file=self.stream, flush=True)
-
-
-#: Verdicts after which a run asks whether the testee still serves.
-_FAILED: Final = frozenset({Verdict.FAIL, Verdict.NON_STRICT, Verdict.INFORMATIONAL})
 
 
 def in_run_order(cases: Iterable[Case]) -> list[Case]:

@@ -21,7 +21,8 @@ AFTER_S: Final = 0.1
 class LoopLag:
     """Records the stalls of the running loop between ``start`` and ``stop``."""
 
-    def __init__(self) -> None:
+    def __init__(self, tick: float = TICK_S) -> None:
+        self.tick = tick  # how often the ticker asks to wake
         self._stalls: list[tuple[float, float]] = []  # (when the loop ran again, how long not)
         self._task: asyncio.Task[None] | None = None
 
@@ -37,8 +38,8 @@ class LoopLag:
 
     async def _tick(self) -> None:
         while True:
-            asked = time.monotonic() + TICK_S
-            await asyncio.sleep(TICK_S)
+            asked = time.monotonic() + self.tick
+            await asyncio.sleep(self.tick)
             woke = time.monotonic()
             if woke - asked > NOISE_S:
                 self._stalls.append((woke, woke - asked))
@@ -46,5 +47,9 @@ class LoopLag:
     def late_by(self, when: float) -> float:
         """The most a time read at ``when`` (``time.monotonic()``) can be late: the longest stall
         that ended shortly before it, and a tick; 0.0 when the loop ran on time."""
-        stalls = [s for end, s in self._stalls if end - TICK_S <= when <= end + AFTER_S]
-        return max(stalls) + TICK_S if stalls else 0.0
+        stalls = [s for end, s in self._stalls if end - self.tick <= when <= end + AFTER_S]
+        return max(stalls) + self.tick if stalls else 0.0
+
+    def longest(self) -> float:
+        """The longest stall seen, in seconds; 0.0 when the loop ran on time."""
+        return max((s for _, s in self._stalls), default=0.0)

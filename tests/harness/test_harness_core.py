@@ -4,7 +4,9 @@ verdicts, known-failing and known-flaky lists, reports and the traceability tabl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -13,8 +15,18 @@ from typing import Any
 import pytest
 
 from conformance import case as case_module
-from conformance import cli, traceability
-from conformance.case import Case, Skip, Suite, Unsupported, Verdict, all_cases, case, expect
+from conformance import cli, runner, traceability
+from conformance.case import (
+    Case,
+    Skip,
+    Suite,
+    Unsupported,
+    Verdict,
+    WireLog,
+    all_cases,
+    case,
+    expect,
+)
 from conformance.report import write_html, write_json, write_junit
 from conformance.requirements import (
     CATALOGUE,
@@ -191,6 +203,55 @@ def test_known_failing_and_flaky() -> None:
     flaky = RunOptions(known_flaky=frozenset({"producer/3.2/1"}))
     r_flaky = asyncio.run(run_case(failing, lambda log: None, flaky))
     assert r_flaky.verdict is Verdict.FAIL and not r_flaky.unexpected
+
+
+def _stalls_then_fails(runs: list[int], stall: float, passes_on: int = 2) -> Callable[[Any], Any]:
+    """A case that blocks the loop for ``stall`` seconds (as a machine that stopped does) and
+    fails, until its run ``passes_on``."""
+
+    async def func(ctx: Any) -> None:
+        runs.append(1)
+        time.sleep(stall)  # the stall: the loop cannot run
+        await asyncio.sleep(0)
+        expect(len(runs) >= passes_on, f"failed in run {len(runs)}")
+
+    return func
+
+
+def test_a_case_that_failed_while_the_loop_stalled_runs_once_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runner, "STALL_S", 0.2)
+    runs: list[int] = []
+    result = asyncio.run(run_case(_case(MUST, _stalls_then_fails(runs, 0.3)), _no_ctx, OPTS))
+    assert len(runs) == 2 and result.verdict is Verdict.PASS
+    assert result.detail.startswith("run a second time: the harness's loop stalled 0.")
+    assert result.detail.endswith("which failed: failed in run 1")
+    # failing again, it fails with both runs' details
+    runs.clear()
+    again = _case(MUST, _stalls_then_fails(runs, 0.3, passes_on=3))
+    result = asyncio.run(run_case(again, _no_ctx, OPTS))
+    assert len(runs) == 2 and result.verdict is Verdict.FAIL
+    assert result.detail.endswith("which failed: failed in run 1\nfailed in run 2")
+
+
+def test_no_second_run_without_a_stall_or_for_a_case_that_may_break_its_testee(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(runner, "STALL_S", 0.2)
+    runs: list[int] = []
+    short = _case(MUST, _stalls_then_fails(runs, 0.0))
+    assert asyncio.run(run_case(short, _no_ctx, OPTS)).verdict is Verdict.FAIL and runs == [1]
+    runs.clear()
+    breaking = dataclasses.replace(_case(MUST, _stalls_then_fails(runs, 0.3)), breaks_testee=True)
+    assert asyncio.run(run_case(breaking, _no_ctx, OPTS)).verdict is Verdict.FAIL and runs == [1]
+
+
+def _no_ctx(log: WireLog) -> None:
+    return None
+
+
+OPTS = RunOptions()
 
 
 def test_lists_and_globs(tmp_path: Path) -> None:
