@@ -46,13 +46,10 @@ async def waits_for_health_then_queries(t: ProxyCtx) -> None:
         not w.bootstrap.of("/query"),
         "the proxy queried P's bootstrap server while P's /health still answered 503",
     )
-    healthy = time.monotonic()
     w.p.health = 200
     t.log.note("P's /health answers 200 from now on")
     query = await w.bootstrap.wait(lambda h: h.path == "/query", STEP_S)
     expect(query is not None, f"the proxy did not GET /query within {STEP_S}s of P being healthy")
-    assert query is not None
-    expect(query.arrived >= healthy, "the proxy queried before P's /health answered 200")
     _expect_health_before_each_query(w)
     reply = await t.until_served(w, STEP_S)
     expect(reply.status == 200, f"after start-up the proxy answered {reply.describe()}")
