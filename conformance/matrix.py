@@ -47,6 +47,8 @@ from typing import Any, Final
 
 import httpx
 
+from pdwire.http_models import client_tls
+
 from .case import Case, Suite, Verdict, all_cases
 from .peers.http import probe
 from .ports import free_port
@@ -223,7 +225,7 @@ async def start(impl: Implementation, role: str, start_timeout: float, host: str
     running = Running(impl.name, role, url, bootstrap, process, Path(name))
     deadline = time.monotonic() + start_timeout
     try:
-        async with httpx.AsyncClient(timeout=2.0) as http:
+        async with httpx.AsyncClient(timeout=2.0, verify=client_tls()) as http:
             for target in ready:
                 while not await _answers(http, target):
                     if process.poll() is not None:

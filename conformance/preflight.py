@@ -22,7 +22,13 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdwire.errors import DecodeError
-from pdwire.http_models import EngineEntry, QueryResponse, decode_json, parse_prefill
+from pdwire.http_models import (
+    EngineEntry,
+    QueryResponse,
+    client_tls,
+    decode_json,
+    parse_prefill,
+)
 from pdwire.messages import Fingerprint, layout_named
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
@@ -179,7 +185,7 @@ class Preflight:
         return [f for f in self.findings if f.status == PROBLEM]
 
     async def run(self) -> list[Finding]:
-        async with httpx.AsyncClient(timeout=self.timeout) as http:
+        async with httpx.AsyncClient(timeout=self.timeout, verify=client_tls()) as http:
             urls = (
                 f"{self.prefill}/health",
                 f"{self.decode}/health",

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import httpx
 
+from pdwire.http_models import client_tls
 from pdwire.roles import Role
 
 from .ports import free_port
@@ -104,7 +105,7 @@ class Testee(ChildProcess):
     def settled(self, timeout: float) -> bool:
         """Whether the node is healthy and holds no block within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=5.0) as http:
+        with httpx.Client(timeout=5.0, verify=client_tls()) as http:
             while True:
                 try:
                     healthy = http.get(f"{self.url}/health").status_code == 200
@@ -121,7 +122,7 @@ class Testee(ChildProcess):
         """Wait until the node answers ``/health``; stop it and raise ``TesteeError`` if it
         exits or does not answer within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
-        with httpx.Client(timeout=2.0) as http:
+        with httpx.Client(timeout=2.0, verify=client_tls()) as http:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
                     tail = self.log_tail()

@@ -15,6 +15,7 @@ from pdwire.http_models import (
     QueryResponse,
     RegisterReply,
     RegisterWorkerPayload,
+    client_tls,
     decode_json,
     split_host_port,
     url_of,
@@ -86,7 +87,7 @@ async def register(
     wait = backoff
     for attempt in range(1, attempts + 1):
         try:
-            async with httpx.AsyncClient(timeout=timeout) as client:
+            async with httpx.AsyncClient(timeout=timeout, verify=client_tls()) as client:
                 response = await client.post(endpoint, json=body)
         except (httpx.ConnectError, httpx.TimeoutException) as exc:
             logger.warning(
@@ -112,7 +113,7 @@ async def query(
     last: Exception | None = None
     for attempt in range(1, attempts + 1):
         try:
-            async with httpx.AsyncClient(timeout=timeout) as client:
+            async with httpx.AsyncClient(timeout=timeout, verify=client_tls()) as client:
                 response = await client.get(endpoint)
         except httpx.RequestError as exc:
             logger.warning("query attempt %d/%d at %s failed: %r", attempt, attempts, endpoint, exc)

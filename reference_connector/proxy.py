@@ -35,6 +35,7 @@ from pdwire.http_models import (
     PrefillParams,
     QueryResponse,
     bootstrap_url,
+    client_tls,
 )
 from pdwire.versions import LEGACY, WIRE_VERSION, check_profile
 
@@ -272,7 +273,9 @@ class Proxy:
         )
         for url in [p.url for p in self.readiness.prefills] + self.decodes:
             if url not in self.clients:
-                self.clients[url] = httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits)
+                self.clients[url] = httpx.AsyncClient(
+                    base_url=url, timeout=timeout, limits=limits, verify=client_tls()
+                )
         self._spawn(self.readiness.run(self.clients))
 
     async def close(self) -> None:

@@ -78,7 +78,7 @@ from typing import Any, Final, TextIO
 import httpx
 import numpy as np
 
-from pdwire.http_models import CLIENT_KEEPALIVE_S
+from pdwire.http_models import CLIENT_KEEPALIVE_S, client_tls
 from pdwire.roles import Role
 from pdwire.versions import PDWIRE_2, Profile
 
@@ -546,7 +546,9 @@ async def _send_all(
     outcomes: list[Outcome] = []
     failed = 0
     limits = httpx.Limits(max_connections=config.concurrency, keepalive_expiry=CLIENT_KEEPALIVE_S)
-    async with httpx.AsyncClient(timeout=config.request_timeout, limits=limits) as client:
+    async with httpx.AsyncClient(
+        timeout=config.request_timeout, limits=limits, verify=client_tls()
+    ) as client:
 
         async def one(case: Case) -> None:
             nonlocal failed
@@ -878,7 +880,7 @@ def _measure(
     config = deployment.config
     p, d, proxy = deployment.prefill, deployment.decode, deployment.proxy
     assert p is not None and d is not None and proxy is not None
-    with httpx.Client(timeout=30.0) as http:
+    with httpx.Client(timeout=30.0, verify=client_tls()) as http:
         before = node_stats(http, p)
         progress.line(f"sending {len(cases)} requests, {config.concurrency} at once")
         t0 = time.perf_counter()

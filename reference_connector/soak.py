@@ -49,7 +49,7 @@ from typing import Any, Final, NamedTuple
 
 import httpx
 
-from pdwire.http_models import CLIENT_KEEPALIVE_S, DecodeParams, PrefillParams
+from pdwire.http_models import CLIENT_KEEPALIVE_S, DecodeParams, PrefillParams, client_tls
 from pdwire.versions import LEGACY, PDWIRE_2, WIRE_VERSION
 
 from .node_api import NodeServer
@@ -222,7 +222,7 @@ class Sampler:
         return s
 
     def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as http:
+        with httpx.Client(timeout=5.0, verify=client_tls()) as http:
             while True:
                 self.sample(http)
                 if self._stop.wait(self.interval):
@@ -260,7 +260,7 @@ class Clients:
             max_connections=self.config.run.concurrency, keepalive_expiry=CLIENT_KEEPALIVE_S
         )
         timeout = self.config.run.request_timeout
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, verify=client_tls()) as http:
 
             async def loop() -> None:
                 while self.now() < stop_at:
@@ -394,7 +394,7 @@ def _drain(sampler: Sampler, timeout: float) -> Sample:
     """Poll until both pools are empty or ``timeout`` passes; the last reading."""
     deadline = time.monotonic() + timeout
     last: Sample | None = None
-    with httpx.Client(timeout=5.0) as http:
+    with httpx.Client(timeout=5.0, verify=client_tls()) as http:
         while True:
             last = sampler.sample(http) or last
             if last is not None and last.blocks_prefill == last.blocks_decode == 0:

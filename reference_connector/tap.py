@@ -31,6 +31,7 @@ import zmq.asyncio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
+from pdwire.http_models import client_tls
 from pdwire.observer import FINAL, Observer, Seen
 
 from .http_server import AppServer
@@ -160,7 +161,8 @@ class TapServer(AppServer):
     def _app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            async with httpx.AsyncClient(timeout=_UPSTREAM_TIMEOUT_S) as client:
+            upstream = httpx.AsyncClient(timeout=_UPSTREAM_TIMEOUT_S, verify=client_tls())
+            async with upstream as client:
                 app.state.client = client
                 try:
                     yield

@@ -11,7 +11,7 @@ from typing import Any, Final
 
 import httpx
 
-from pdwire.http_models import CLIENT_KEEPALIVE_S
+from pdwire.http_models import CLIENT_KEEPALIVE_S, client_tls
 
 from ..case import WireLog
 
@@ -22,7 +22,9 @@ def client(timeout: float, *, trust_env: bool = True) -> httpx.AsyncClient:
     """The harness's client of a testee's HTTP servers: it drops an idle connection before the
     server would close it (``CLIENT_KEEPALIVE_S``)."""
     limits = httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=trust_env)
+    return httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=trust_env, verify=client_tls()
+    )
 
 
 @dataclasses.dataclass
@@ -107,7 +109,7 @@ async def probe(url: str, http: httpx.AsyncClient | None = None) -> httpx.Respon
     try:
         if http is not None:
             return await http.get(url)
-        async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False) as own:
+        async with client(PROBE_TIMEOUT, trust_env=False) as own:
             return await own.get(url)
     except httpx.HTTPError:
         return None
@@ -119,7 +121,7 @@ async def listens(url: str, until: float) -> str:
     is refused (nothing listens there), else at ``until`` (monotonic). A server that listens
     answers late, not never, on a loaded machine: a timeout alone is no verdict."""
     why = "no answer"
-    async with httpx.AsyncClient(timeout=PROBE_TIMEOUT, trust_env=False) as http:
+    async with client(PROBE_TIMEOUT, trust_env=False) as http:
         while True:
             try:
                 await http.get(url)

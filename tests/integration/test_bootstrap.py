@@ -10,6 +10,7 @@ import os
 import selectors
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -23,7 +24,7 @@ import pytest
 from conformance.ports import free_port
 from pdwire import error_strings as es
 from pdwire.auth import canonical_json, key_id, register_tag, sign_registration
-from pdwire.http_models import QueryResponse, RegisterWorkerPayload
+from pdwire.http_models import QueryResponse, RegisterWorkerPayload, client_tls
 from pdwire.messages import Fingerprint
 from reference_connector import cli_bootstrap
 from reference_connector.bootstrap import (
@@ -133,6 +134,27 @@ async def test_client_register_and_query(server: BootstrapServer) -> None:
     assert isinstance(got, QueryResponse)
     assert got.root[0].engine_id == "engine-a"
     assert got.root[0].worker_addr == {1: {0: "tcp://10.0.0.5:41010"}}
+
+
+@pytest.mark.asyncio
+async def test_clients_share_one_tls_context(
+    server: BootstrapServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registrations and queries, which run on the agents' event loops, make no TLS context of
+    their own: each would read the CA bundle, about 25 ms of CPU with the loop blocked."""
+    client_tls()
+    made: list[object] = []
+    create = ssl.create_default_context
+
+    def counted(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        made.append(args or kwargs)
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
+    for rank in range(2):
+        await register(server.url, worker(0, rank, 0))
+        assert (await query(server.url)).root[0].engine_id == "engine-a"
+    assert made == []
 
 
 def test_identical_reregistration_is_accepted(http: httpx.Client) -> None:
