@@ -47,10 +47,8 @@ from typing import Any, Final
 
 import httpx
 
-from pdwire.http_models import client_tls
-
 from .case import Case, Suite, Verdict, all_cases
-from .peers.http import probe
+from .peers.http import client_tls, probe
 from .ports import free_port
 from .runner import (
     DEFAULT_REQUEST_TIMEOUT,

@@ -25,7 +25,6 @@ from pdwire.errors import DecodeError
 from pdwire.http_models import (
     EngineEntry,
     QueryResponse,
-    client_tls,
     decode_json,
     parse_prefill,
 )
@@ -33,6 +32,7 @@ from pdwire.messages import Fingerprint, layout_named
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
 from .discovery import Found, found_in
+from .peers.http import client_tls
 
 OK, PROBLEM, UNKNOWN = "ok", "PROBLEM", "unknown"
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2

@@ -19,9 +19,9 @@ from typing import Any, Final
 
 import httpx
 
-from pdwire.http_models import client_tls
 from pdwire.roles import Role
 
+from .peers.http import client_tls
 from .ports import free_port
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4, 4, 16, 4

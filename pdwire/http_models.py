@@ -8,9 +8,7 @@ models do.
 
 from __future__ import annotations
 
-import functools
 import re
-import ssl
 from typing import Annotated, Any, Final, Literal, TypeVar
 from urllib.parse import urlsplit
 
@@ -33,17 +31,6 @@ DEFAULT_BOOTSTRAP_PORT: Final = 8998
 CLIENT_KEEPALIVE_S: Final = 2.0
 #: What ``addr`` must look like (§4.1): a ZMQ TCP endpoint with a host and a port.
 WORKER_ADDR: Final = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):(?P<port>\d{1,5})")
-
-
-@functools.cache
-def client_tls() -> ssl.SSLContext:
-    """The TLS context of every httpx client of pdwire (``verify=client_tls()``), made once:
-    httpx makes one for each client it opens, reading the CA bundle, about 25 ms of CPU, on the
-    thread that opens the client (an agent's event loop, when it queries the bootstrap server),
-    even for the plain-HTTP servers of a deployment. Needs httpx (the runtime extra)."""
-    import httpx
-
-    return httpx.create_ssl_context()
 
 
 def split_host_port(address: str) -> tuple[str, int]:

@@ -15,11 +15,12 @@ from pdwire.http_models import (
     QueryResponse,
     RegisterReply,
     RegisterWorkerPayload,
-    client_tls,
     decode_json,
     split_host_port,
     url_of,
 )
+
+from .http_tls import client_tls
 
 logger = logging.getLogger(__name__)
 

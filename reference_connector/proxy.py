@@ -35,7 +35,6 @@ from pdwire.http_models import (
     PrefillParams,
     QueryResponse,
     bootstrap_url,
-    client_tls,
 )
 from pdwire.versions import LEGACY, WIRE_VERSION, check_profile
 
@@ -43,6 +42,7 @@ from . import bootstrap_client
 from .body_limit import COMPLETION_BODY_LIMIT, BodyLimit
 from .bootstrap_client import BootstrapError
 from .http_server import AppServer
+from .http_tls import client_tls
 from .metrics import CONTENT_TYPE, Counts, render
 
 logger = logging.getLogger(__name__)

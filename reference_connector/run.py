@@ -78,10 +78,11 @@ from typing import Any, Final, TextIO
 import httpx
 import numpy as np
 
-from pdwire.http_models import CLIENT_KEEPALIVE_S, client_tls
+from pdwire.http_models import CLIENT_KEEPALIVE_S
 from pdwire.roles import Role
 from pdwire.versions import PDWIRE_2, Profile
 
+from .http_tls import client_tls
 from .kv_content import KVShape, render, tokenize
 from .kv_values import reference_completion
 from .node import NodeConfig

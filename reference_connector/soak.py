@@ -49,9 +49,10 @@ from typing import Any, Final, NamedTuple
 
 import httpx
 
-from pdwire.http_models import CLIENT_KEEPALIVE_S, DecodeParams, PrefillParams, client_tls
+from pdwire.http_models import CLIENT_KEEPALIVE_S, DecodeParams, PrefillParams
 from pdwire.versions import LEGACY, PDWIRE_2, WIRE_VERSION
 
+from .http_tls import client_tls
 from .node_api import NodeServer
 from .run import (
     MODEL,

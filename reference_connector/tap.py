@@ -31,10 +31,10 @@ import zmq.asyncio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from pdwire.http_models import client_tls
 from pdwire.observer import FINAL, Observer, Seen
 
 from .http_server import AppServer
+from .http_tls import client_tls
 
 logger = logging.getLogger(__name__)
 

@@ -4,18 +4,27 @@ routes, each exchange in the case's wire log."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import ssl
 import time
 import uuid
 from typing import Any, Final
 
 import httpx
 
-from pdwire.http_models import CLIENT_KEEPALIVE_S, client_tls
+from pdwire.http_models import CLIENT_KEEPALIVE_S
 
 from ..case import WireLog
 
 PROBE_TIMEOUT: Final = 2.0  # seconds: a server that is up answers a probe at once
+
+
+@functools.cache
+def client_tls() -> ssl.SSLContext:
+    """The TLS context of every httpx client of the harness (``verify=``): httpx would make one
+    for each client, reading the CA bundle, about 25 ms of CPU."""
+    return httpx.create_ssl_context()
 
 
 def client(timeout: float, *, trust_env: bool = True) -> httpx.AsyncClient:

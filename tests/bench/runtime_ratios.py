@@ -13,12 +13,15 @@ and two registered KV tensors, all in this process:
   FINISH; baseline: a fresh DEALER's round trip of a frame of the pull's size to a ROUTER echo.
 - throughput: 4-block requests (72 descriptors), 8 loads in flight from one D; baseline: as many
   ``raw_write`` calls of the same descriptor sets back to back.
+- query: D's query of the bootstrap server (``bootstrap_client.query``: a client per query, as
+  the agents make it); baseline: a GET of ``/query`` on a client whose connection is open.
 
 Nothing here asserts timings; a failed or short transfer raises.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -31,6 +34,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Final
 
+import httpx
 import torch
 import zmq
 
@@ -40,6 +44,7 @@ from pdwire.planning import Descriptors, Plan, Side, descriptors, prepare
 from pdwire.producer import ProducerConfig
 from pdwire.sim.geometry import Geometry
 from pdwire.versions import ALL_CAPS, PDWIRE_2
+from reference_connector import bootstrap_client
 from reference_connector.bootstrap import BootstrapServer
 from reference_connector.consumer_agent import ConsumerAgent
 from reference_connector.producer_agent import ProducerAgent
@@ -68,10 +73,12 @@ class Scale:
     control_pulls: int  # per round, each way
     throughput_rounds: int
     throughput_requests: int  # per round, each way
+    query_rounds: int
+    queries: int  # per round, each way
 
 
-FULL_SCALE: Final = Scale(9, 6, 9, 60, 5, 400)
-QUICK_SCALE: Final = Scale(2, 2, 2, 10, 2, 40)
+FULL_SCALE: Final = Scale(9, 6, 9, 60, 5, 400, 9, 40)
+QUICK_SCALE: Final = Scale(2, 2, 2, 10, 2, 40, 2, 5)
 
 
 def _progress(message: str) -> None:
@@ -496,8 +503,54 @@ def throughput_case(rig: Rig, scale: Scale) -> dict[str, Any]:
     }
 
 
-CASES: Final = (transfer_case, control_case, throughput_case)
-CASE_NAMES: Final = ("transfer", "control", "throughput")
+# -- case 4: a D's query of the bootstrap server -----------------------------------------------
+
+
+async def _queries(url: str, count: int) -> tuple[list[float], list[float]]:
+    """Seconds of ``count`` queries as D's agent makes them, and of as many GETs of ``/query``
+    on one client whose connection is open, alternating."""
+    agent: list[float] = []
+    bare: list[float] = []
+    async with httpx.AsyncClient(timeout=WAIT) as http:
+        (await http.get(f"{url}/query")).raise_for_status()  # opens the connection
+        for _ in range(count):
+            t0 = time.perf_counter()
+            reply = await bootstrap_client.query(url, timeout=WAIT)
+            agent.append(time.perf_counter() - t0)
+            if not reply.root:
+                raise RuntimeError(f"the bootstrap server at {url} lists no engine")
+            t0 = time.perf_counter()
+            (await http.get(f"{url}/query")).raise_for_status()
+            bare.append(time.perf_counter() - t0)
+    return agent, bare
+
+
+def query_case(rig: Rig, scale: Scale) -> dict[str, Any]:
+    asyncio.run(_queries(rig.server.url, 3))  # warm
+    agent_all: list[float] = []
+    bare_all: list[float] = []
+    ratios: list[float] = []
+    for r in range(scale.query_rounds):
+        _progress(f"[query {r + 1}/{scale.query_rounds}]")
+        agent, bare = asyncio.run(_queries(rig.server.url, scale.queries))
+        ratios.append(statistics.median(agent) / statistics.median(bare))
+        agent_all += agent
+        bare_all += bare
+    return {
+        "case": "query",
+        "unit": "us/query",
+        "pdwire": statistics.median(agent_all) * 1e6,
+        "baseline": statistics.median(bare_all) * 1e6,
+        "baseline_name": "GET /query on an open connection",
+        "ratio": statistics.median(ratios),
+        "target": "",
+        "rounds": scale.query_rounds,
+        "queries_per_round": scale.queries,
+    }
+
+
+CASES: Final = (transfer_case, control_case, throughput_case, query_case)
+CASE_NAMES: Final = ("transfer", "control", "throughput", "query")
 
 
 def run_all(settings: Settings) -> list[dict[str, Any]]:
@@ -529,8 +582,9 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
         lines.append(row([*cells, f"{c['ratio']:.3f}"]))
     lines.append(
         "baselines: transfer = raw_write of the same descriptors; control = fresh-DEALER echo "
-        "of a pull-sized frame; throughput = raw_write calls back to back. ratio = median over "
-        "rounds of pdwire / baseline (for control, time: higher is slower); transfer target >= 0.9"
+        "of a pull-sized frame; throughput = raw_write calls back to back; query = GET /query "
+        "on an open connection. ratio = median over rounds of pdwire / baseline (for control "
+        "and query, time: higher is slower); transfer target >= 0.9"
     )
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ import pytest
 from conformance.ports import free_port
 from pdwire import error_strings as es
 from pdwire.auth import canonical_json, key_id, register_tag, sign_registration
-from pdwire.http_models import QueryResponse, RegisterWorkerPayload, client_tls
+from pdwire.http_models import QueryResponse, RegisterWorkerPayload
 from pdwire.messages import Fingerprint
 from reference_connector import cli_bootstrap
 from reference_connector.bootstrap import (
@@ -34,6 +34,7 @@ from reference_connector.bootstrap import (
     Registry,
 )
 from reference_connector.bootstrap_client import BootstrapError, query, register, signed_body
+from reference_connector.http_tls import client_tls
 
 KEY = b"bootstrap-test-key"
 FP = Fingerprint(
