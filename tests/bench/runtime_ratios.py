@@ -395,40 +395,60 @@ def _echo_round_trip(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, frame: byte
     return time.perf_counter() - t0
 
 
+def per_item_case(
+    case: str,
+    unit: str,
+    baseline_name: str,
+    rounds: int,
+    one_round: Callable[[], tuple[list[float], list[float]]],
+    **extra: Any,
+) -> dict[str, Any]:
+    """A case timed per item: ``rounds`` calls of ``one_round`` -> (pdwire's seconds, the
+    baseline's seconds); the ratio is the median over rounds of their medians' quotient."""
+    pdwire_all: list[float] = []
+    baseline_all: list[float] = []
+    ratios: list[float] = []
+    for r in range(rounds):
+        _progress(f"[{case} {r + 1}/{rounds}]")
+        ours, theirs = one_round()
+        ratios.append(statistics.median(ours) / statistics.median(theirs))
+        pdwire_all += ours
+        baseline_all += theirs
+    return {
+        "case": case,
+        "unit": unit,
+        "pdwire": statistics.median(pdwire_all) * 1e6,
+        "baseline": statistics.median(baseline_all) * 1e6,
+        "baseline_name": baseline_name,
+        "ratio": statistics.median(ratios),
+        "target": "",
+        "rounds": rounds,
+        "pdwire_p90_us": sorted(pdwire_all)[int(len(pdwire_all) * 0.9)] * 1e6,
+        **extra,
+    }
+
+
 def control_case(rig: Rig, scale: Scale) -> dict[str, Any]:
     for _ in range(3):  # warm
         _agent_release(rig)
     frame = bytes(rig.d.last_pull_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    agent_all: list[float] = []
-    echo_all: list[float] = []
-    ratios: list[float] = []
+    pulls = scale.control_pulls
     try:
         with router_echo(ctx) as addr:
             for _ in range(3):
                 _echo_round_trip(ctx, addr, frame)
-            for r in range(scale.control_rounds):
-                _progress(f"[control {r + 1}/{scale.control_rounds}]")
-                echo = [_echo_round_trip(ctx, addr, frame) for _ in range(scale.control_pulls)]
-                agent = [_agent_release(rig) for _ in range(scale.control_pulls)]
-                ratios.append(statistics.median(agent) / statistics.median(echo))
-                agent_all += agent
-                echo_all += echo
+
+            def one_round() -> tuple[list[float], list[float]]:
+                echo = [_echo_round_trip(ctx, addr, frame) for _ in range(pulls)]
+                return [_agent_release(rig) for _ in range(pulls)], echo
+
+            return per_item_case(
+                "control", "us/pull", "zmq DEALER->ROUTER echo", scale.control_rounds,
+                one_round, pulls_per_round=pulls, frame_bytes=len(frame),
+            )  # fmt: skip
     finally:
         ctx.destroy(linger=0)
-    return {
-        "case": "control",
-        "unit": "us/pull",
-        "pdwire": statistics.median(agent_all) * 1e6,
-        "baseline": statistics.median(echo_all) * 1e6,
-        "baseline_name": "zmq DEALER->ROUTER echo",
-        "ratio": statistics.median(ratios),
-        "target": "",
-        "rounds": scale.control_rounds,
-        "pulls_per_round": scale.control_pulls,
-        "frame_bytes": len(frame),
-        "pdwire_p90_us": sorted(agent_all)[int(len(agent_all) * 0.9)] * 1e6,
-    }
 
 
 # -- case 3: requests per second through one P -------------------------------------------------
@@ -526,27 +546,12 @@ async def _queries(url: str, count: int) -> tuple[list[float], list[float]]:
 
 
 def query_case(rig: Rig, scale: Scale) -> dict[str, Any]:
-    asyncio.run(_queries(rig.server.url, 3))  # warm
-    agent_all: list[float] = []
-    bare_all: list[float] = []
-    ratios: list[float] = []
-    for r in range(scale.query_rounds):
-        _progress(f"[query {r + 1}/{scale.query_rounds}]")
-        agent, bare = asyncio.run(_queries(rig.server.url, scale.queries))
-        ratios.append(statistics.median(agent) / statistics.median(bare))
-        agent_all += agent
-        bare_all += bare
-    return {
-        "case": "query",
-        "unit": "us/query",
-        "pdwire": statistics.median(agent_all) * 1e6,
-        "baseline": statistics.median(bare_all) * 1e6,
-        "baseline_name": "GET /query on an open connection",
-        "ratio": statistics.median(ratios),
-        "target": "",
-        "rounds": scale.query_rounds,
-        "queries_per_round": scale.queries,
-    }
+    url = rig.server.url
+    asyncio.run(_queries(url, 3))  # warm
+    return per_item_case(
+        "query", "us/query", "GET /query on an open connection", scale.query_rounds,
+        lambda: asyncio.run(_queries(url, scale.queries)), queries_per_round=scale.queries,
+    )  # fmt: skip
 
 
 CASES: Final = (transfer_case, control_case, throughput_case, query_case)
