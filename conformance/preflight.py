@@ -22,12 +22,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from pdwire.errors import DecodeError
-from pdwire.http_models import (
-    EngineEntry,
-    QueryResponse,
-    decode_json,
-    parse_prefill,
-)
+from pdwire.http_models import EngineEntry, QueryResponse, decode_json, parse_prefill
 from pdwire.messages import Fingerprint, layout_named
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 

@@ -161,8 +161,9 @@ class TapServer(AppServer):
     def _app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-            upstream = httpx.AsyncClient(timeout=_UPSTREAM_TIMEOUT_S, verify=client_tls())
-            async with upstream as client:
+            async with httpx.AsyncClient(
+                timeout=_UPSTREAM_TIMEOUT_S, verify=client_tls()
+            ) as client:
                 app.state.client = client
                 try:
                     yield
