@@ -48,7 +48,7 @@ from typing import Any, Final
 import httpx
 
 from .case import Case, Suite, Verdict, all_cases
-from .peers.http import client_tls, probe
+from .peers.http import client, probe
 from .ports import free_port
 from .runner import (
     DEFAULT_REQUEST_TIMEOUT,
@@ -223,7 +223,7 @@ async def start(impl: Implementation, role: str, start_timeout: float, host: str
     running = Running(impl.name, role, url, bootstrap, process, Path(name))
     deadline = time.monotonic() + start_timeout
     try:
-        async with httpx.AsyncClient(timeout=2.0, verify=client_tls()) as http:
+        async with client(2.0) as http:
             for target in ready:
                 while not await _answers(http, target):
                     if process.poll() is not None:

@@ -27,7 +27,7 @@ from pdwire.messages import Fingerprint, layout_named
 from pdwire.negotiation import LEGACY_PEER, Offer, negotiate
 
 from .discovery import Found, found_in
-from .peers.http import client_tls
+from .peers.http import client
 
 OK, PROBLEM, UNKNOWN = "ok", "PROBLEM", "unknown"
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -180,7 +180,7 @@ class Preflight:
         return [f for f in self.findings if f.status == PROBLEM]
 
     async def run(self) -> list[Finding]:
-        async with httpx.AsyncClient(timeout=self.timeout, verify=client_tls()) as http:
+        async with client(self.timeout) as http:
             urls = (
                 f"{self.prefill}/health",
                 f"{self.decode}/health",
