@@ -354,41 +354,34 @@ async def _run_layouts(
     timeout: float,
 ) -> list[Result]:
     """``cases`` against the testbed of each layout they need, one layout after another:
-    DEFAULT's first, those of ``LAST`` last. The testbeds start one after another from the
-    first, each once the one before it has started, while the cases of the layouts before run;
-    a layout's testees stop while the next one's run. Starting and stopping are mostly waiting
-    for processes, and most layouts' cases take less time than their testees take to start."""
+    DEFAULT's first, those of ``LAST`` last. The next layout's testees start while the cases
+    of one run, and a layout's testees stop while the next one's run: starting and stopping
+    are mostly waiting for processes."""
     plan = by_layout(cases)
     order = sorted(plan, key=lambda layout: layout in LAST)
     results: list[Result] = []
     stopping: list[asyncio.Task[None]] = []
     starting: list[asyncio.Task[Testbed]] = []
-    for layout in order:
-        before = starting[-1] if starting else None
-        starting.append(asyncio.create_task(_started_after(before, layout, plan[layout])))
+
+    def start_up_to(n: int) -> None:
+        for layout in order[len(starting) : n]:
+            starting.append(asyncio.create_task(_started(layout, roles_for(plan[layout]))))
+
+    start_up_to(1)
     try:
         for i, layout in enumerate(order):
             bed = await starting[i]
+            start_up_to(i + 2)
             try:
                 results += await run_suites(bed, plan[layout], options, on_result, timeout)
             finally:
                 stopping.append(asyncio.create_task(bed.stop()))
     finally:
-        for task in starting[len(stopping) :]:  # started, starting or waiting, and never run
-            task.cancel()  # one cancelled while it starts stops its nodes (_started)
-            with contextlib.suppress(BaseException):
+        for task in starting[len(stopping) :]:  # started, or starting, and never run
+            with contextlib.suppress(BaseException):  # one that failed stopped its nodes
                 stopping.append(asyncio.create_task((await task).stop()))
         await asyncio.gather(*stopping)
     return results
-
-
-async def _started_after(
-    before: asyncio.Task[Testbed] | None, layout: Layout, cases: Sequence[Case]
-) -> Testbed:
-    """The testbed of ``layout`` for ``cases``, started once ``before`` has ended."""
-    if before is not None:
-        await asyncio.wait([before])  # its failure is raised where it is awaited for its cases
-    return await _started(layout, roles_for(cases))
 
 
 async def _started(layout: Layout, roles: set[Role]) -> Testbed:
