@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import msgspec
-import zmq
 
 from pdwire import codec, negotiation, planning
 from pdwire import consumer as consumer_module
@@ -226,14 +225,12 @@ def _flat_block_lists() -> None:
 )
 def _pull_with_delimiter() -> None:
     def send_pull(self: ConsumerAgent, pull: Any) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(pull.addr)
+        sock = self._dealer(pull.addr)
         self._pulls_sent += 1
         sent = asyncio.ensure_future(sock.send_multipart([b"", pull.data]))
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
         reader = asyncio.create_task(self._read(pull.pull_id, sock))
-        self._pulls[pull.pull_id] = _OpenPull(sock, reader)
+        self._pulls[pull.pull_id] = _OpenPull(pull.addr, sock, reader)
 
     replace(ConsumerAgent, "_send_pull", send_pull)
 
@@ -249,9 +246,7 @@ def _reuses_dealer() -> None:
         kept: dict[str, _OpenPull] = self.__dict__.setdefault("_kept", {})
         old = kept.get(pull.addr)
         if old is None:
-            sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(pull.addr)
+            sock = self._dealer(pull.addr)
         else:
             sock = old.socket
             old.reader.cancel()
@@ -259,7 +254,7 @@ def _reuses_dealer() -> None:
         sent = asyncio.ensure_future(sock.send(pull.data))
         sent.add_done_callback(lambda f: f.cancelled() or f.exception())
         reader = asyncio.create_task(self._read(pull.pull_id, sock))
-        self._pulls[pull.pull_id] = kept[pull.addr] = _OpenPull(sock, reader)
+        self._pulls[pull.pull_id] = kept[pull.addr] = _OpenPull(pull.addr, sock, reader)
 
     def close_pull(self: ConsumerAgent, pull_id: int) -> None:
         self._pulls.pop(pull_id, None)  # the socket stays open for the next pull

@@ -9,7 +9,6 @@ import functools
 from typing import Any
 
 import msgspec
-import zmq
 
 from pdwire.codec import decode_response, encode_response
 from pdwire.errors import DecodeError
@@ -162,14 +161,12 @@ def _d_pull_delimiter() -> None:
     from reference_connector import consumer_agent
 
     def send_pull(self: consumer_agent.ConsumerAgent, pull: Any) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(pull.addr)
+        sock = self._dealer(pull.addr)
         self._pulls_sent += 1
         sent = asyncio.ensure_future(sock.send_multipart([b"", pull.data]))
         sent.add_done_callback(functools.partial(consumer_agent._log_send_failure, pull.pull_id))
         reader = asyncio.create_task(self._read(pull.pull_id, sock))
-        self._pulls[pull.pull_id] = consumer_agent._OpenPull(sock, reader)
+        self._pulls[pull.pull_id] = consumer_agent._OpenPull(pull.addr, sock, reader)
 
     replace(consumer_agent.ConsumerAgent, "_send_pull", send_pull)
 

@@ -2,15 +2,23 @@
 (spec §3.1, §4.2).
 
 The agent takes no protocol decision and keeps no timer of its own: the session owns the
-receive timeout and the deadline. The agent queries the bootstrap server when told to, opens a
-new DEALER per pull (and per cancel), feeds back every frame received on it until the session
-closes it, and reports the session's verdicts to the engine as callbacks. P writes the KV
-straight into the memory the caller registered with the transport before ``start``.
+receive timeout and the deadline. The agent queries the bootstrap server when told to, sends
+each pull (and each cancel and heartbeat) on a new DEALER, feeds back every frame received on it
+until the session closes it, and reports the session's verdicts to the engine as callbacks. P
+writes the KV straight into the memory the caller registered with the transport before
+``start``.
+
+A new DEALER's set-up and its connection's handshake take about half of a pull's round trip on
+loopback. So that a pull does not wait for them, the agent keeps one DEALER connected ahead,
+never used, per P worker address it sent to in the last ``SPARE_IDLE_S`` (up to
+``SPARE_ADDRS``), and sends the next message to that address on it: still a socket of its own,
+as 3.1 asks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import logging
@@ -53,6 +61,11 @@ logger = logging.getLogger(__name__)
 
 #: 4.2-R4: the reason every request of the batch fails with when the engine is not found.
 ENGINE_NOT_FOUND: Final = "remote engine_id {engine_id} not found from bootstrap server {addr}"
+#: How many P worker addresses keep a DEALER connected ahead; the least recently used loses it.
+SPARE_ADDRS: Final = 16
+#: How long a DEALER connected ahead waits for a message before it is closed: no socket of D's
+#: goes on reconnecting to the address of a P worker that D no longer pulls from, or that is gone.
+SPARE_IDLE_S: Final = 10.0
 
 #: ``on_loaded(d_req_id, pull_s)``: the request's KV is in its blocks; it may decode. ``pull_s``
 #: is the time from the first pull that carried it to the reply that completed it.
@@ -66,6 +79,7 @@ OnReleased = Callable[[str], None]
 
 @dataclasses.dataclass
 class _OpenPull:
+    addr: str
     socket: zmq.asyncio.Socket
     reader: asyncio.Task[None]
 
@@ -120,6 +134,8 @@ class ConsumerAgent:
         self._timer = DeadlineTimer(self._thread.loop, self._on_timer)
         self._ctx = zmq.asyncio.Context()
         self._pulls: dict[int, _OpenPull] = {}
+        # A DEALER connected ahead per P worker address, least recently used first.
+        self._spares: collections.OrderedDict[str, zmq.asyncio.Socket] = collections.OrderedDict()
         self._queries: set[asyncio.Task[None]] = set()
         self._closed = False
         self._pulls_sent = 0
@@ -160,6 +176,9 @@ class ConsumerAgent:
         for pull in self._pulls.values():
             pull.socket.close(linger=0)
         self._pulls.clear()
+        for spare in self._spares.values():
+            spare.close(linger=0)
+        self._spares.clear()
         self._first_pull.clear()
         self._ctx.destroy(linger=0)
 
@@ -196,7 +215,13 @@ class ConsumerAgent:
 
     @property
     def open_sockets(self) -> int:
+        """Sockets of pulls, cancels and heartbeats still open (the spares not counted)."""
         return len(self._pulls)
+
+    @property
+    def spare_addrs(self) -> list[str]:
+        """The P worker addresses with a DEALER connected ahead, least recently used first."""
+        return list(self._spares)
 
     def metrics(self) -> dict[str, Any]:
         """The agent's counts, with the leases its session renews (``metrics.Counts``)."""
@@ -274,18 +299,46 @@ class ConsumerAgent:
         error = "" if entry is not None else ENGINE_NOT_FOUND.format(engine_id=engine_id, addr=addr)
         self._feed(EngineResolved(engine_id, entry, error))
 
-    def _send_pull(self, pull: SendPull) -> None:
+    def _dealer(self, addr: str) -> zmq.asyncio.Socket:
+        """A new DEALER connected to ``addr``; raises ``zmq.ZMQError`` for a bad address."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        if "[" in pull.addr:
+        if "[" in addr:
             sock.setsockopt(zmq.IPV6, 1)
         try:
-            sock.connect(pull.addr)
-        except zmq.ZMQError as exc:
-            # Nothing more to do here: the session's receive timeout ends the pull.
-            logger.error("pull %d: cannot connect to %s: %s", pull.pull_id, pull.addr, exc)
+            sock.connect(addr)
+        except zmq.ZMQError:
             sock.close(linger=0)
+            raise
+        return sock
+
+    def _restock(self, addr: str) -> None:
+        """Connect the next DEALER to ``addr`` ahead of its use. It runs once a pull to the
+        address closed, not while that pull's reply is due: the loop, and the interpreter a D
+        worker may share with P's, has time for it then."""
+        if self._closed or addr in self._spares:
             return
+        spare = self._spares[addr] = self._dealer(addr)  # a pull to the address connected
+        self._thread.loop.call_later(SPARE_IDLE_S, self._retire, addr, spare)
+        while len(self._spares) > SPARE_ADDRS:
+            _, oldest = self._spares.popitem(last=False)
+            oldest.close(linger=0)
+
+    def _retire(self, addr: str, spare: zmq.asyncio.Socket) -> None:
+        """Close ``spare`` if it is still the unused DEALER of ``addr``."""
+        if self._spares.get(addr) is spare:
+            del self._spares[addr]
+            spare.close(linger=0)
+
+    def _send_pull(self, pull: SendPull) -> None:
+        sock = self._spares.pop(pull.addr, None)
+        if sock is None:
+            try:
+                sock = self._dealer(pull.addr)
+            except zmq.ZMQError as exc:
+                # Nothing more to do here: the session's receive timeout ends the pull.
+                logger.error("pull %d: cannot connect to %s: %s", pull.pull_id, pull.addr, exc)
+                return
         self._pulls_sent += 1
         self.counts.inc("pdwire_d_messages_sent_total", _kind(pull.message))
         if isinstance(pull.message, XferMetadata):
@@ -296,7 +349,7 @@ class ConsumerAgent:
         sent = asyncio.ensure_future(sock.send(pull.data))
         sent.add_done_callback(functools.partial(_log_send_failure, pull.pull_id))
         reader = asyncio.create_task(self._read(pull.pull_id, sock), name=f"pull {pull.pull_id}")
-        self._pulls[pull.pull_id] = _OpenPull(sock, reader)
+        self._pulls[pull.pull_id] = _OpenPull(pull.addr, sock, reader)
 
     async def _read(self, pull_id: int, sock: zmq.asyncio.Socket) -> None:
         try:
@@ -318,3 +371,4 @@ class ConsumerAgent:
         if pull.reader is not asyncio.current_task():
             pull.reader.cancel()
         pull.socket.close(linger=0)
+        self._thread.loop.call_soon(self._restock, pull.addr)

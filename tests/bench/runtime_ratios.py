@@ -11,6 +11,8 @@ and two registered KV tensors, all in this process:
   target is >= 0.9.
 - control: a release-only pull (no blocks) from D's ``load()`` until D closes the pull on P's
   FINISH; baseline: a fresh DEALER's round trip of a frame of the pull's size to a ROUTER echo.
+  Also timed against the same echo: the agents' thread hops alone (``Skeleton``), so that the
+  report tells the cost of the threads and sockets apart from the cost of the protocol's work.
 - throughput: 4-block requests (72 descriptors), 8 loads in flight from one D; baseline: as many
   ``raw_write`` calls of the same descriptor sets back to back.
 - query: D's query of the bootstrap server (``bootstrap_client.query``: a client per query, as
@@ -26,6 +28,7 @@ import contextlib
 import dataclasses
 import itertools
 import queue
+import resource
 import statistics
 import sys
 import threading
@@ -37,6 +40,7 @@ from typing import Any, Final
 import httpx
 import torch
 import zmq
+import zmq.asyncio
 
 from pdwire.events import LoadRequest, SendPull
 from pdwire.messages import ErrorCode
@@ -47,6 +51,7 @@ from pdwire.versions import ALL_CAPS, PDWIRE_2
 from reference_connector import bootstrap_client
 from reference_connector.bootstrap import BootstrapServer
 from reference_connector.consumer_agent import ConsumerAgent
+from reference_connector.loop_thread import LoopThread
 from reference_connector.producer_agent import ProducerAgent
 from reference_connector.transport import OK, MooncakeTransport
 
@@ -122,6 +127,13 @@ class BenchConsumer(ConsumerAgent):
         self._on_closed(pull_id)
 
 
+class BenchProducer(ProducerAgent):
+    """A P agent that can say when its loop has run the calls made to it before."""
+
+    def settled(self) -> None:
+        self._thread.submit(asyncio.sleep(0)).result(WAIT)
+
+
 class Rig:
     """Everything the cases share. ``start`` and ``stop`` pair up: ``stop`` undoes whatever part
     of ``start`` got done, in reverse order."""
@@ -160,7 +172,7 @@ class Rig:
         config = ProducerConfig(
             side=self.p_side, profile=PDWIRE_2, fingerprint=FP, abort_timeout=480.0, caps=ALL_CAPS
         )
-        self.p = ProducerAgent(
+        self.p = BenchProducer(
             config,
             self.p_transport,
             bootstrap_url=self.server.url,
@@ -241,6 +253,12 @@ class Rig:
         self.p.transfer_finished(tid, f"p-{n}", [p_blocks])
         return f"d-{n}", tid
 
+    def p_settled(self) -> None:
+        """Return once P's loop has run the calls made to P before. In a deployment P knows a
+        request is ready well before D's pull for it comes: the proxy sends D its leg after P's
+        answer."""
+        self.p.settled()
+
     def load(self, d_req: str, tid: str, d_blocks: list[int]) -> None:
         self.d.load([LoadRequest(d_req, tid, self.engine_id, self.server.url, [d_blocks])])
 
@@ -297,6 +315,7 @@ class Rig:
 def _agent_transfer(rig: Rig, blocks: list[int]) -> float:
     """Seconds from D's load() to on_loaded for one request whose KV P holds ready."""
     d_req, tid = rig.ready_at_p(blocks)
+    rig.p_settled()
     t0 = time.perf_counter()
     rig.load(d_req, tid, blocks)
     return rig.wait_loaded(d_req) - t0
@@ -316,13 +335,17 @@ def transfer_case(rig: Rig, scale: Scale) -> dict[str, Any]:
     written_before = rig.p.bytes_written
     agent_gbps: list[float] = []
     raw_gbps: list[float] = []
+    raw_cpu_s = raw_wall_s = 0.0
     for r in range(scale.transfer_rounds):
         _progress(f"[transfer {r + 1}/{scale.transfer_rounds}]")
         raw_s = 0.0
         for _ in range(scale.transfer_requests):
+            c0 = _process_cpu_s()
             t0 = time.perf_counter()
             raw()
             raw_s += time.perf_counter() - t0
+            raw_cpu_s += _process_cpu_s() - c0
+        raw_wall_s += raw_s
         agent_s = sum(_agent_transfer(rig, blocks) for _ in range(scale.transfer_requests))
         raw_gbps.append(scale.transfer_requests * nbytes / raw_s / 1e9)
         agent_gbps.append(scale.transfer_requests * nbytes / agent_s / 1e9)
@@ -342,7 +365,14 @@ def transfer_case(rig: Rig, scale: Scale) -> dict[str, Any]:
         "requests_per_round": scale.transfer_requests,
         "bytes_per_request": nbytes,
         "descriptors": len(descs),
+        # both engines' threads are in this process: the cores a write at the raw speed takes
+        "raw_cores": raw_cpu_s / raw_wall_s,
     }
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 # -- case 2: per-pull control overhead ---------------------------------------------------------
@@ -351,6 +381,7 @@ def transfer_case(rig: Rig, scale: Scale) -> dict[str, Any]:
 def _agent_release(rig: Rig) -> float:
     """Seconds from D's load() of a release-only request until D closes its pull."""
     d_req, tid = rig.ready_at_p([0])
+    rig.p_settled()
     before = rig.closed_count()
     t0 = time.perf_counter()
     rig.load(d_req, tid, [])
@@ -395,6 +426,72 @@ def _echo_round_trip(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, frame: byte
     return time.perf_counter() - t0
 
 
+class Skeleton:
+    """A release-only pull's thread hops and sockets, without the protocol: the caller hands the
+    pull to a loop thread (D's), which sends the frame on a fresh asyncio DEALER to the asyncio
+    ROUTER of a second loop thread (P's); that one sends it back at once, and D's loop notes the
+    time when it reads the answer, as the agents' case notes it when D closes the pull."""
+
+    def __init__(self, frame: bytes) -> None:
+        self._frame = frame
+        self._p = LoopThread("bench-skeleton-p")
+        self._d = LoopThread("bench-skeleton-d")
+        self._ctx = zmq.asyncio.Context()
+        self._addr = ""
+        self._ended = 0.0
+        self._done = threading.Event()
+        # the loops' tasks, kept so that they are not collected while pending (one pull at a time)
+        self._tasks: dict[str, asyncio.Future[Any]] = {}
+
+    def __enter__(self) -> Skeleton:
+        self._p.start()
+        self._d.start()
+        self._addr = self._p.submit(self._bind()).result(WAIT)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._d.stop()
+        self._p.stop()
+        self._ctx.destroy(linger=0)
+
+    async def _bind(self) -> str:
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        self._tasks["echo"] = asyncio.ensure_future(self._echo(sock))
+        return f"tcp://127.0.0.1:{port}"
+
+    async def _echo(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                await sock.send_multipart(await sock.recv_multipart())
+        finally:
+            sock.close(linger=0)
+
+    def _pull(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self._addr)
+        self._tasks["send"] = asyncio.ensure_future(sock.send(self._frame))
+        self._tasks["read"] = asyncio.ensure_future(self._read(sock))
+
+    async def _read(self, sock: zmq.asyncio.Socket) -> None:
+        try:
+            await sock.recv()
+            self._ended = time.perf_counter()
+        finally:
+            sock.close(linger=0)
+        self._done.set()
+
+    def round_trip(self) -> float:
+        self._done.clear()
+        t0 = time.perf_counter()
+        self._d.call(self._pull)
+        if not self._done.wait(WAIT):
+            raise RuntimeError(f"no answer from the skeleton's ROUTER within {WAIT}s")
+        return self._ended - t0
+
+
 def per_item_case(
     case: str,
     unit: str,
@@ -434,21 +531,32 @@ def control_case(rig: Rig, scale: Scale) -> dict[str, Any]:
     frame = bytes(rig.d.last_pull_bytes)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     pulls = scale.control_pulls
+    hops: list[float] = []
+    hop_ratios: list[float] = []
     try:
-        with router_echo(ctx) as addr:
+        with router_echo(ctx) as addr, Skeleton(frame) as skeleton:
             for _ in range(3):
                 _echo_round_trip(ctx, addr, frame)
+                skeleton.round_trip()
 
             def one_round() -> tuple[list[float], list[float]]:
                 echo = [_echo_round_trip(ctx, addr, frame) for _ in range(pulls)]
+                bare = [skeleton.round_trip() for _ in range(pulls)]
+                hops.extend(bare)
+                hop_ratios.append(statistics.median(bare) / statistics.median(echo))
                 return [_agent_release(rig) for _ in range(pulls)], echo
 
-            return per_item_case(
+            case = per_item_case(
                 "control", "us/pull", "zmq DEALER->ROUTER echo", scale.control_rounds,
                 one_round, pulls_per_round=pulls, frame_bytes=len(frame),
             )  # fmt: skip
     finally:
         ctx.destroy(linger=0)
+    return {
+        **case,
+        "skeleton_us": statistics.median(hops) * 1e6,
+        "skeleton_ratio": statistics.median(hop_ratios),
+    }
 
 
 # -- case 3: requests per second through one P -------------------------------------------------
@@ -585,6 +693,19 @@ def format_table(cases: Sequence[dict[str, Any]]) -> str:
     for c in cases:
         cells = [c["case"], c["unit"], f"{c['pdwire']:.2f}", f"{c['baseline']:.2f}"]
         lines.append(row([*cells, f"{c['ratio']:.3f}"]))
+    lines += [
+        f"a raw write of the transfer case kept {c['raw_cores']:.2f} cores busy (P's and D's "
+        "engines, CPU time over its time)"
+        for c in cases
+        if "raw_cores" in c
+    ]
+    lines += [
+        f"the control case's thread hops and sockets alone (two loop threads, a fresh DEALER, "
+        f"no protocol) took {c['skeleton_us']:.2f} us a pull, {c['skeleton_ratio']:.3f} of the "
+        "echo"
+        for c in cases
+        if "skeleton_us" in c
+    ]
     lines.append(
         "baselines: transfer = raw_write of the same descriptors; control = fresh-DEALER echo "
         "of a pull-sized frame; throughput = raw_write calls back to back; query = GET /query "

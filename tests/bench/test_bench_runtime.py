@@ -24,4 +24,8 @@ def test_runtime_ratios_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     for case in cases:
         for key in ("pdwire", "baseline", "ratio"):
             assert case[key] > 0, (case["case"], key)
+    (transfer,) = (c for c in cases if c["case"] == "transfer")
+    assert 0 < transfer["raw_cores"] < 64  # CPU time over wall time, of this process
+    (control,) = (c for c in cases if c["case"] == "control")
+    assert control["skeleton_us"] > 0 and control["skeleton_ratio"] > 0
     assert "ratio" in capsys.readouterr().out

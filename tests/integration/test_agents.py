@@ -10,6 +10,7 @@ bounded and driven by the agents' callbacks; nothing sleeps.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import itertools
@@ -26,6 +27,7 @@ import msgspec
 import pytest
 import torch
 import zmq
+import zmq.asyncio
 
 from pdwire import decode_response
 from pdwire.events import FreeReason, LoadRequest, RequestQueued
@@ -434,6 +436,56 @@ def test_round_trip_of_a_ready_request(
         times[int(len(times) * 0.9)] * 1e6,
         times[-1] * 1e6,
     )
+
+
+def test_a_pull_goes_on_a_dealer_connected_ahead_of_it(
+    make_cluster: Callable[..., Cluster], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its first pull to a P worker, D keeps one new DEALER connected to that address and
+    sends the next message there on it: a pull opens no socket on its way, only the next spare
+    after it. Beyond SPARE_ADDRS addresses the least recently used one's spare is closed, and
+    one unused for SPARE_IDLE_S is closed too."""
+    c = make_cluster(PDWIRE_2)
+    agent = c.consumers[0].agent
+    assert agent is not None
+    opened: list[str] = []
+    dealer = ConsumerAgent._dealer
+
+    def counted(self: ConsumerAgent, addr: str) -> zmq.asyncio.Socket:
+        opened.append(addr)
+        return dealer(self, addr)
+
+    monkeypatch.setattr(ConsumerAgent, "_dealer", counted)
+    p_addr = c.agents_p()[0].address
+    spares: list[zmq.asyncio.Socket] = []
+    for n in range(3):
+        r = c.new_request(nblocks=1)
+        c.started([r])
+        c.finished([r])
+        c.load([r])
+        c.wait_loaded([r])
+        c.check_bytes([r])
+        # the pull's close, then its restock, ran on D's loop before a no-op submitted now
+        agent._thread.submit(asyncio.sleep(0)).result(WAIT)
+        assert agent.spare_addrs == [p_addr]
+        spares.append(agent._spares[p_addr])
+        # the first pull opens its own socket and the spare; each later one takes the spare
+        # and opens only the next
+        assert opened == [p_addr] * (n + 2), opened
+    assert len({id(s) for s in spares}) == 3 and spares[0].closed and spares[1].closed
+    monkeypatch.setattr("reference_connector.consumer_agent.SPARE_ADDRS", 1)
+    elsewhere = "tcp://127.0.0.1:9"  # no P there: the spare only waits, unused
+    agent._thread.submit(_restock(agent, elsewhere)).result(WAIT)
+    assert agent.spare_addrs == [elsewhere] and spares[-1].closed
+    monkeypatch.setattr("reference_connector.consumer_agent.SPARE_ADDRS", 16)
+    monkeypatch.setattr("reference_connector.consumer_agent.SPARE_IDLE_S", 0.0)
+    agent._thread.submit(_restock(agent, p_addr)).result(WAIT)
+    agent._thread.submit(asyncio.sleep(0)).result(WAIT)  # the retirement, due at once, ran
+    assert agent.spare_addrs == [elsewhere]  # still within its own 10 s
+
+
+async def _restock(agent: ConsumerAgent, addr: str) -> None:
+    agent._restock(addr)
 
 
 def test_writes_to_one_d_worker_run_in_turn_and_a_held_one_holds_up_no_other(
