@@ -1,31 +1,41 @@
-"""The order of the suite: the longest modules first. ``make test`` has pytest-xdist share
-the modules out among two workers (``TEST_WORKERS``; ``--dist loadfile``: each module runs
-whole on one worker, so that its fixtures start once; the vLLM servers of
-``tests/vllm_connector/test_e2e.py`` would otherwise start on both), and no long module starts
-near the end to run alone (the Makefile passes ``--no-loadscope-reorder``, else xdist would run
-the modules with the most tests first).
+"""The order of the suite. ``make test`` has pytest-xdist share the modules out among two
+workers (``TEST_WORKERS``; ``--dist loadfile``: each module runs whole on one worker, so that its
+fixtures start once; the vLLM servers of ``tests/vllm_connector/test_e2e.py`` would otherwise
+start on both). The modules that take minutes run first, in the chains of ``CHAINS``; the
+Makefile passes ``--no-loadscope-reorder``, else xdist would run the modules with the most tests
+first.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import pytest
 
 from conformance import ports
 
-#: The modules that take minutes (paths from the repository root). xdist gives the first two to
-#: the two workers, and the next ones to the first worker free: the release tier's vLLM nodes
-#: follow the self run, and the vLLM servers of test_e2e.py follow them, so that those servers
-#: start late in the mutant check and not beside the release tier (beside both, a node of the
-#: check once took over 120 s to start, and a pair case of test_e2e.py waited out its 60 s).
-LONGEST: Final = (
-    "tests/harness/test_mutants.py",
-    "tests/harness/test_self.py",
-    "tests/interop/test_vllm_conformance.py",
-    "tests/vllm_connector/test_e2e.py",
+if TYPE_CHECKING:
+    from xdist.remote import Producer
+    from xdist.scheduler import LoadFileScheduling
+
+#: The modules that take minutes (paths from the repository root), in chains: each chain is one
+#: unit of xdist's work, so its modules run one after another on one worker, and the first two
+#: chains start at once, one on each worker. The six vLLM servers of test_e2e.py start only
+#: after the mutant check and only once the release tier's vLLM nodes have stopped
+#: (``worker_lock.VLLM``, which both hold): started beside both on CI's slower machine, vLLM's
+#: own D stopped answering, a pair's D held a block past the idle wait, and a release-tier
+#: suite failed.
+CHAINS: Final = (
+    ("tests/interop/test_vllm_conformance.py",),
+    (
+        "tests/harness/test_mutants.py",
+        "tests/harness/test_self.py",
+        "tests/vllm_connector/test_e2e.py",
+    ),
 )
+_CHAIN_OF: Final = {module: i for i, chain in enumerate(CHAINS) for module in chain}
+_RANK: Final = {module: i for i, module in enumerate(m for chain in CHAINS for m in chain)}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -38,5 +48,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {module: i for i, module in enumerate(LONGEST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(LONGEST)))
+    items.sort(key=lambda item: _RANK.get(_module(item.nodeid), len(_RANK)))
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit of xdist's work that the test ``nodeid`` belongs to: its chain, or its module."""
+    module = _module(nodeid)
+    chain = _CHAIN_OF.get(module)
+    return module if chain is None else f"chain {chain}"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> LoadFileScheduling | None:
+    """``--dist loadfile`` with the modules of a chain as one unit of work."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ChainedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    return ChainedFiles(config, log)

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from conformance import cli
+from conformance import cli, report
 
 
 def run(
@@ -37,10 +37,22 @@ def verdicts(doc: dict[str, Any]) -> dict[str, str]:
     return {c["id"]: c["verdict"] for c in doc["cases"]}
 
 
-def unexpected(doc: dict[str, Any]) -> dict[str, str]:
-    """The verdict and detail of each unexpected case by its id: a failure nobody expected, a
-    known-failing case that passed, or a case that was not run (blocked), with the reason."""
-    return {c["id"]: f"{c['verdict']}: {c['detail']}" for c in doc["cases"] if c["unexpected"]}
+def unexpected(doc: dict[str, Any]) -> str:
+    """Each unexpected case (a failure nobody expected, a known-failing case that passed, a case
+    that was not run), "" when there is none: a line with its verdict and whole detail, and
+    under a case that ran, its wire log's timeline. Cases blocked for one reason share a line."""
+    lines: list[str] = []
+    blocked: dict[str, list[str]] = {}
+    for c in doc["cases"]:
+        if not c["unexpected"]:
+            continue
+        if c["verdict"] == "blocked":
+            blocked.setdefault(c["detail"], []).append(c["id"])
+            continue
+        lines.append(f"{c['id']}: {c['verdict']}: {c['detail']}")
+        lines += [f"    {report.wirelog_line(w)}" for w in c["wirelog"]]
+    lines += [f"blocked ({len(ids)}: {', '.join(ids)}): {why}" for why, ids in blocked.items()]
+    return "\n".join(lines)
 
 
 def only(doc: dict[str, Any]) -> dict[str, Any]:

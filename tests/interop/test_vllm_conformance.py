@@ -15,7 +15,7 @@ import pytest
 from conformance import cli, testees
 from conformance.case import all_cases
 from pdwire.roles import Role
-from tests import suite_report
+from tests import suite_report, worker_lock
 
 from . import releases
 
@@ -40,8 +40,8 @@ KILLS_P = "producer/3.1/2"
 NO_LEASE = "producer/6.4/4"
 #: vLLM's receive timeout is VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT + 60 s, too long to wait here.
 SLOW = "consumer/3.1/2"
-#: Lines of a testee's log that a failed test shows.
-LOG_LINES = 150
+#: Lines of a testee's log that a failed test shows: its last lines, then its threads' stacks.
+LOG_LINES = 400
 
 
 def _node(role: Role, release: str, *extra: str) -> testees.Testee:
@@ -55,6 +55,13 @@ def _node(role: Role, release: str, *extra: str) -> testees.Testee:
         abort_timeout=ABORT,
         timeout=300.0,
     )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No vLLM server of tests/vllm_connector/test_e2e.py runs beside this module's nodes."""
+    with worker_lock.held(tmp_path_factory, worker_lock.VLLM):
+        yield
 
 
 @pytest.fixture(params=sorted(AGENTS))
@@ -82,12 +89,13 @@ def decode(release: str) -> Iterator[testees.Testee]:
 
 @contextlib.contextmanager
 def _logs_on_failure(*nodes: testees.Testee) -> Iterator[None]:
-    """A failed assertion, raised again with the tail of each node's log: a case that fails
+    """A failed assertion, raised again with the tail of each node's log, which ends with the
+    stacks of the node's threads and its workers' (``Testee.print_stacks``): a case that fails
     once in many runs is diagnosed from CI's output, and the log goes when the node stops."""
     try:
         yield
     except AssertionError as exc:
-        tails = "".join(f"\n--- {n.role} node's log ---\n{n.log_tail(LOG_LINES)}" for n in nodes)
+        tails = "".join(f"\n--- {n.role} node's log ---\n{n.evidence(LOG_LINES)}" for n in nodes)
         raise AssertionError(f"{exc}{tails}") from exc
 
 
@@ -105,7 +113,7 @@ def _run(tmp_path: Path, name: str, args: list[str]) -> tuple[int, dict[str, str
     return code, suite_report.verdicts(doc)
 
 
-def _unexpected(tmp_path: Path, name: str) -> dict[str, str]:
+def _unexpected(tmp_path: Path, name: str) -> str:
     """What the report of the run ``name`` says of each case nobody expected: a failure off the
     known-failing list, a listed case that passed, or a blocked case."""
     return suite_report.unexpected(suite_report.read(tmp_path, name))

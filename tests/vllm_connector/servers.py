@@ -17,7 +17,7 @@ from typing import Any, Final
 import httpx
 
 from conformance.ports import free_port
-from conformance.testees import PORT_TAKEN
+from conformance.testees import PORT_TAKEN, process_tree
 
 SITE: Final = Path(__file__).parent / "site"
 START_TIMEOUT_S: Final = 480.0
@@ -25,6 +25,12 @@ STOP_TIMEOUT_S: Final = 20.0
 #: By name alone, as an installed connector is named: pdwire's vLLM plugin registers it
 #: (``reference_connector.vllm.plugin``); the offline tests load it by module path.
 CONNECTOR: Final = {"kv_connector": "PdwireConnector"}
+#: Every server's timer, in seconds: how long P holds a transfer no pull came for, and a pull
+#: waits for its request's prefill (vLLM's ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT``,
+#: PdwireConnector's ``abort_timeout``, after which its D's receive timeout is 60 s more). Not
+#: 480 s: while a server holds a request for its connector, vLLM's engine steps without pause,
+#: a core's worth of CPU, so a request a test leaves held costs the suite a minute, not eight.
+ABORT_S: Final = 60
 IN_TREE: Final = {"kv_connector": "MooncakeConnector"}
 
 
@@ -55,6 +61,7 @@ class Server:
         self._worker_in_engine = worker_in_engine
         self._env = dict(env or {})  # added to the server's environment
         self.restarted = False
+        self._served_from = 0  # the log's line count when it first answered /health
         self._spawn()
 
     def _spawn(self) -> None:
@@ -126,12 +133,30 @@ class Server:
         return "\n".join(list(dict.fromkeys(found))[:most])
 
     def warnings(self, most: int = 15) -> str:
-        """The log's last ``most`` warning and error lines: what vLLM says went wrong."""
-        found = [line for line in self._lines() if " WARNING " in line or " ERROR " in line]
+        """The last ``most`` warning and error lines it logged since it first answered
+        ``/health``: what vLLM says went wrong, without its start's notices."""
+        lines = self._lines()[self._served_from :]
+        found = [line for line in lines if " WARNING " in line or " ERROR " in line]
         return "\n".join(found[-most:])
 
     def _lost_a_port(self) -> bool:
         return any(PORT_TAKEN in line for line in self._lines())
+
+    def cpu(self, seconds: float = 1.0) -> float:
+        """The cores' worth of CPU its processes used over the next ``seconds``: vLLM's engine
+        steps without pause while it holds a request for its connector."""
+
+        def ticks() -> int:
+            total = 0
+            for pid in process_tree(self.proc.pid):
+                with suppress(OSError, ValueError, IndexError):
+                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    total += int(stat[11]) + int(stat[12])  # utime, stime
+            return total
+
+        before = ticks()
+        time.sleep(seconds)  # a sampling window: nothing to await
+        return (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
 
     def report(self) -> str:
         return f"log {self.log}\nerror lines:\n{self.errors()}\nlast lines:\n{self.tail()}"
@@ -150,9 +175,12 @@ class Server:
         if self.proc.poll() is not None:
             raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.report()}")
         try:
-            return httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
+            up = httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
+        if up and not self._served_from:
+            self._served_from = len(self._lines())
+        return up
 
     def stop(self) -> None:
         """SIGTERM to the API server, which stops its engine; then SIGKILL to what is left."""
@@ -183,7 +211,11 @@ def wait_healthy(servers: list[Server], timeout: float = START_TIMEOUT_S) -> Non
 
 def pdwire(role: str, profile: str) -> dict[str, Any]:
     """A ``--kv-transfer-config`` for ``PdwireConnector``."""
-    extra: dict[str, Any] = {"mooncake_protocol": "tcp", "profile": profile}
+    extra: dict[str, Any] = {
+        "mooncake_protocol": "tcp",
+        "profile": profile,
+        "abort_timeout": ABORT_S,
+    }
     if role == "kv_producer":
         extra["bootstrap_host"] = "127.0.0.1"
     return {**CONNECTOR, "kv_role": role, "kv_connector_extra_config": extra}
@@ -207,7 +239,11 @@ def metric(url: str, name: str) -> float:
     return sum(values)
 
 
-def wait_idle(servers: list[Server], timeout: float = 60.0) -> None:
+#: How long ``wait_idle`` waits by default.
+IDLE_S: Final = 60.0
+
+
+def wait_idle(servers: list[Server], timeout: float = IDLE_S) -> None:
     """Until no server holds a KV block: P's freed once D pulled them, D's once it finished."""
     deadline = time.monotonic() + timeout
     while True:
@@ -215,5 +251,15 @@ def wait_idle(servers: list[Server], timeout: float = 60.0) -> None:
         if not any(usage.values()):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"still holding KV blocks after {timeout}s: {usage}")
+            holding = "\n".join(_holding(s) for s in servers if usage[s.name])
+            raise TimeoutError(f"still holding KV blocks after {timeout}s: {usage}\n{holding}")
         time.sleep(0.2)
+
+
+def _holding(server: Server) -> str:
+    """What a server that holds blocks has running and waiting, and what it last warned of."""
+    counts = {
+        kind: metric(server.url, f"vllm:num_requests_{kind}{{") for kind in ("running", "waiting")
+    }
+    busy = f"its processes used {server.cpu():.0%} of a core over 1 s"
+    return f"--- {server.name}: requests {counts}; {busy}; its last warnings:\n{server.warnings()}"

@@ -1,0 +1,74 @@
+"""The suite's own schedule (tests/conftest.py, tests/worker_lock.py): the modules of a chain
+are one unit of xdist's work, and a module holding a worker lock keeps another out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import conftest, worker_lock
+
+
+def test_a_chains_modules_are_one_unit_and_other_modules_their_own() -> None:
+    mutants, self_run, e2e = conftest.CHAINS[1]
+    units = {
+        conftest.unit_of(f"{mutants}::test_every_mutant_is_caught"),
+        conftest.unit_of(f"{self_run}::test_self"),
+        conftest.unit_of(f"{e2e}::test_the_pair_conformance_suite_passes[legacy]"),
+    }
+    assert len(units) == 1
+    (release_tier,) = conftest.CHAINS[0]
+    assert conftest.unit_of(f"{release_tier}::test_x[0.34.0]") not in units
+    assert conftest.unit_of("tests/unit/test_cli.py::test_help") == "tests/unit/test_cli.py"
+
+
+def test_the_chains_run_first_in_their_order() -> None:
+    chained = [m for chain in conftest.CHAINS for m in chain]
+
+    class Item:
+        def __init__(self, nodeid: str) -> None:
+            self.nodeid = nodeid
+
+    items = [Item(f"{m}::test") for m in ["tests/unit/test_cli.py", *reversed(chained)]]
+    conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [i.nodeid.split("::")[0] for i in items] == [*chained, "tests/unit/test_cli.py"]
+
+
+HOLD = """
+import sys
+from pathlib import Path
+from tests import worker_lock
+try:
+    with worker_lock.hold(Path(sys.argv[1]), float(sys.argv[2])):
+        print("held")
+except TimeoutError as exc:
+    print(exc)
+"""
+
+
+def _other_process(path: Path, wait_s: float) -> str:
+    root = Path(__file__).parents[2]
+    done = subprocess.run(
+        [sys.executable, "-c", HOLD, str(path), str(wait_s)],
+        cwd=root, capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return done.stdout.strip()
+
+
+def test_a_held_lock_keeps_another_process_out_until_released(tmp_path: Path) -> None:
+    path = tmp_path / "vllm.lock"
+    with worker_lock.hold(path, wait_s=1.0):
+        assert _other_process(path, 0.5) == f"another process held the lock {path} for 0.5s"
+    assert _other_process(path, 0.5) == "held"
+
+
+def test_without_xdist_no_lock_is_taken(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    with worker_lock.held(tmp_path_factory, "unit"):
+        pass
+    assert not (tmp_path_factory.getbasetemp().parent / "unit.lock").exists()
