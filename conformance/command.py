@@ -17,8 +17,10 @@ from typing import Final
 
 import httpx
 
+from . import warm_start
 from .case import WireLog, expect
 from .peers.http import probe
+from .testees import fork_command
 
 STOP_S: Final = 5.0  # from SIGTERM to SIGKILL
 
@@ -46,17 +48,24 @@ def check(template: str, placeholders: Sequence[str], what: str) -> None:
 
 
 class TemplateProcess:
-    """One testee process started from a filled template, its output in a log file."""
+    """One testee process started from a filled template, its output in a log file. A template
+    that runs the reference node or proxy (``testees.FORKED``, after ``env NAME=VALUE...``) is
+    forked from the warm starter, as the harness's own testees are: the same process, started
+    without importing its modules again."""
 
     def __init__(self, what: str, args: list[str], env: dict[str, str], log: WireLog) -> None:
         self.what, self.args, self.env, self.log = what, args, env, log
-        self.process: asyncio.subprocess.Process | None = None
+        self.process: asyncio.subprocess.Process | warm_start.ForkedProcess | None = None
         fd, name = tempfile.mkstemp(prefix=f"pdwire-{what}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(name)
 
     async def spawn(self) -> None:
         self.log.note(f"starting the {self.what}", shlex.join(self.args))
+        args, env = _without_env(self.args, self.env)
+        self.process = fork_command(args, env, self.log_path, session=True)
+        if self.process is not None:
+            return
         with self.log_path.open("wb") as out:
             self.process = await asyncio.create_subprocess_exec(
                 *self.args, stdout=out, stderr=out, env=self.env, start_new_session=True
@@ -64,7 +73,10 @@ class TemplateProcess:
 
     @property
     def returncode(self) -> int | None:
-        return None if self.process is None else self.process.returncode
+        p = self.process
+        if isinstance(p, warm_start.ForkedProcess):
+            return p.poll()
+        return None if p is None else p.returncode
 
     async def wait_listening(self, url: str, timeout: float) -> None:
         """Wait until ``url``'s port accepts connections; ``RuntimeError`` when the process
@@ -115,13 +127,39 @@ class TemplateProcess:
 
     async def stop(self) -> None:
         p = self.process
-        if p is not None and p.returncode is None:
+        if p is not None and self.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGTERM)
-            try:
-                await asyncio.wait_for(p.wait(), STOP_S)
-            except TimeoutError:
+            if not await self._ended(STOP_S):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                await p.wait()
+                await self._ended(None)
         self.log_path.unlink(missing_ok=True)
+
+    async def _ended(self, timeout: float | None) -> bool:
+        """Whether the process ended within ``timeout`` seconds (None: however long)."""
+        p = self.process
+        if isinstance(p, asyncio.subprocess.Process):
+            try:
+                await asyncio.wait_for(p.wait(), timeout)
+            except TimeoutError:
+                return False
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.05)  # the starter's report, read without blocking the loop
+        return True
+
+
+def _without_env(args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """``args`` without a leading ``env NAME=VALUE...`` (``with_env``), and ``env`` with those
+    variables added."""
+    if not args or args[0] != "env":
+        return args, env
+    rest, added = args[1:], dict(env)
+    while rest and "=" in rest[0] and not rest[0].startswith("-"):
+        name, value = rest.pop(0).split("=", 1)
+        added[name] = value
+    return rest, added

@@ -60,7 +60,7 @@ from .runner import (
     select,
     summary,
 )
-from .testees import reap_killed
+from .testees import reap_killed, tail_of
 
 ROLES: Final = ("prefill", "decode")
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -176,10 +176,7 @@ class Running:
     log: Path
 
     def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return tail_of(self.log, lines)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM, then SIGKILL of its process group (its workers) if it does not exit."""

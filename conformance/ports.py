@@ -29,6 +29,10 @@ TRIES: Final = 200
 #: that they never take a port picked for a process that has not bound it yet.
 PEER_RANGE: Final = (49152, 65536)
 _bound: set[int] = set()  # every port ``bind_fresh`` tried in this process
+#: Every port ``free_port`` returned in this process: its caller may not have bound it yet, so
+#: it is not picked again (a node given one port for its API and the same for its bootstrap
+#: server would start one and fail on the other).
+_given: set[int] = set()
 _EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
@@ -56,11 +60,12 @@ def _pick_range() -> tuple[int, int]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port on ``host`` that nothing listens on now, outside the ranges others pick from."""
+    """A port on ``host`` that nothing listens on now and that this process has not returned
+    before, outside the ranges others pick from."""
     low, high = _pick_range()
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     picks = [random.randrange(low, high) for _ in range(TRIES)]
-    for port in [*picks, 0]:  # 0 last: every pick was taken, so the kernel chooses
+    for port in [*(p for p in picks if p not in _given), 0]:  # 0 last: the kernel chooses
         with closing(socket.socket(family)) as s:
             try:
                 s.bind((host, port))
@@ -69,6 +74,7 @@ def free_port(host: str = "127.0.0.1") -> int:
                     raise
                 continue
             chosen: int = s.getsockname()[1]
+            _given.add(chosen)
             return chosen
     raise AssertionError("unreachable")
 

@@ -8,7 +8,7 @@ import datetime
 import html
 import json
 import xml.etree.ElementTree as ET
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +103,14 @@ def write_junit(path: str | Path, results: Sequence[Result], testee: dict[str, A
     Path(path).write_bytes(ET.tostring(suites, encoding="utf-8", xml_declaration=True))
 
 
+def wirelog_line(entry: Mapping[str, Any]) -> str:
+    """One wire-log entry (an item of a case's ``wirelog``) as a line: when, which way, where,
+    what."""
+    return f"{entry['t']:8.3f}s {entry['direction']} {entry['channel']} {entry['what']}"
+
+
 def _wirelog_text(r: Result) -> str:
-    return "\n".join(f"{e.t:8.3f}s {e.direction} {e.channel} {e.what}" for e in r.log.entries)
+    return "\n".join(wirelog_line(vars(e)) for e in r.log.entries)
 
 
 _CSS = """
@@ -124,7 +130,7 @@ def write_html(path: str | Path, results: Sequence[Result], testee: dict[str, An
     rows = []
     for c in doc["cases"]:
         log = "\n".join(
-            f"{w['t']:8.3f}s {w['direction']} {w['channel']} {w['what']}"
+            wirelog_line(w)
             + (f"\n           {json.dumps(w['data'])[:2000]}" if w["data"] is not None else "")
             for w in c["wirelog"]
         )

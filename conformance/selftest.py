@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import shlex
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -133,8 +134,8 @@ LAYOUTS: Final[dict[str, Layout]] = {
 #: The suites whose cases start testees of their own (a reference proxy, a reference P).
 BESIDE: Final = frozenset({Suite.PROXY, Suite.REGISTRATION})
 #: The layouts whose cases time the testees' periodic timers to a fraction of a second (lease
-#: renewals, a prefill of a set length): they run last, when the suites that run beside the
-#: layouts (``BESIDE``) have ended.
+#: renewals, a prefill of a set length): they run last, together, when the suites that run
+#: beside the layouts (``BESIDE``) have ended.
 LAST: Final = frozenset({LEASED, SLOW_PREFILL})
 
 
@@ -281,11 +282,16 @@ async def run_suites(
     options: RunOptions,
     on_result: Callable[[Result], None] | None,
     timeout: float,
+    *,
+    side_by_side: bool = False,
 ) -> list[Result]:
-    """Every suite of ``cases`` whose testees ``bed`` holds, against them."""
+    """Every suite of ``cases`` whose testees ``bed`` holds, against them. With
+    ``side_by_side``, the producer suite (bed's P, a fake D) and the consumer suite (bed's D, a
+    fake P), which share no testee, run at once, and so do the proxy and registration suites,
+    which start their own; the pair suite runs after them, on both of bed's nodes."""
     wanted = {c.suite for c in cases}
     p, d = bed.nodes.get("prefill"), bed.nodes.get("decode")
-    results: list[Result] = []
+    apart: list[Callable[[], Awaitable[list[Result]]]] = []
     if Suite.PRODUCER in wanted and p is not None:
         from .suites.producer_env import ProducerOptions
         from .suites.run import run_producer
@@ -300,7 +306,7 @@ async def run_suites(
             auth_key=bed.auth_key,
             limits=REFERENCE.as_dict(),
         )
-        results += await run_producer(popts, cases, options, on_result)
+        apart.append(functools.partial(run_producer, popts, cases, options, on_result))
     if Suite.CONSUMER in wanted and d is not None:
         from .suites.consumer_env import ConsumerOptions, run_consumer
 
@@ -314,7 +320,20 @@ async def run_suites(
             d_command=reference_d_command(bed.env_of("decode")),
             sliding_window=bed.layout.sliding_window or None,
         )
-        results += await run_consumer(copts, cases, options, on_result)
+        apart.append(functools.partial(run_consumer, copts, cases, options, on_result))
+    if Suite.PROXY in wanted:
+        from .suites.proxy_env import reference_options, run_proxy
+
+        proxyopts = reference_options(bed.env_of("proxy"), timeout)
+        apart.append(functools.partial(run_proxy, proxyopts, cases, options, on_result))
+    if Suite.REGISTRATION in wanted:
+        from .suites import registration_env
+
+        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
+        apart.append(
+            functools.partial(registration_env.run_registration, regopts, cases, options, on_result)
+        )
+    results = await _all(apart, side_by_side)
     if Suite.PAIR in wanted and p is not None and d is not None:
         from .suites.pair_env import PairOptions, run_pair
 
@@ -322,17 +341,16 @@ async def run_suites(
             prefill=p.url, prefill_bootstrap=p.bootstrap, decode=d.url, request_timeout=timeout
         )
         results += await run_pair(pairopts, cases, options, on_result)
-    if Suite.PROXY in wanted:
-        from .suites.proxy_env import reference_options, run_proxy
-
-        proxyopts = reference_options(bed.env_of("proxy"), timeout)
-        results += await run_proxy(proxyopts, cases, options, on_result)
-    if Suite.REGISTRATION in wanted:
-        from .suites import registration_env
-
-        regopts = registration_env.reference_options(bed.env_of("prefill"), timeout)
-        results += await registration_env.run_registration(regopts, cases, options, on_result)
     return results
+
+
+async def _all(
+    runs: Sequence[Callable[[], Awaitable[list[Result]]]], at_once: bool
+) -> list[Result]:
+    """The results of ``runs``, run at once or one after another."""
+    if at_once:
+        return [r for got in await asyncio.gather(*(run() for run in runs)) for r in got]
+    return [r for run in runs for r in await run()]
 
 
 @contextlib.asynccontextmanager
@@ -353,35 +371,52 @@ async def _run_layouts(
     on_result: Callable[[Result], None] | None,
     timeout: float,
 ) -> list[Result]:
-    """``cases`` against the testbed of each layout they need, one layout after another:
-    DEFAULT's first, those of ``LAST`` last. The next layout's testees start while the cases
-    of one run, and a layout's testees stop while the next one's run: starting and stopping
-    are mostly waiting for processes."""
+    """``cases`` against the testbed of each layout they need, in stages (``stages``): the
+    layouts of a stage run at once, the stages one after another. The next stage's testees
+    start while the cases of one run, and a stage's testees stop while the next one's run:
+    starting and stopping are mostly waiting for processes."""
     plan = by_layout(cases)
-    order = sorted(plan, key=lambda layout: layout in LAST)
+    order = stages(plan)
     results: list[Result] = []
     stopping: list[asyncio.Task[None]] = []
-    starting: list[asyncio.Task[Testbed]] = []
+    starting: list[list[asyncio.Task[Testbed]]] = []
+    handed: set[asyncio.Task[Testbed]] = set()  # those whose testbed is stopping
 
     def start_up_to(n: int) -> None:
-        for layout in order[len(starting) : n]:
-            starting.append(asyncio.create_task(_started(layout, roles_for(plan[layout]))))
+        for stage in order[len(starting) : n]:
+            starting.append(
+                [asyncio.create_task(_started(lo, roles_for(plan[lo]))) for lo in stage]
+            )
+
+    async def run(bed: Testbed) -> list[Result]:
+        try:
+            return await run_suites(
+                bed, plan[bed.layout], options, on_result, timeout, side_by_side=True
+            )
+        finally:
+            stopping.append(asyncio.create_task(bed.stop()))
 
     start_up_to(1)
     try:
-        for i, layout in enumerate(order):
-            bed = await starting[i]
+        for i in range(len(order)):
+            beds = [await task for task in starting[i]]
+            handed.update(starting[i])  # only once all started: else the finally stops them
             start_up_to(i + 2)
-            try:
-                results += await run_suites(bed, plan[layout], options, on_result, timeout)
-            finally:
-                stopping.append(asyncio.create_task(bed.stop()))
+            for got in await asyncio.gather(*(run(bed) for bed in beds)):
+                results += got
     finally:
-        for task in starting[len(stopping) :]:  # started, or starting, and never run
+        for task in [t for stage in starting for t in stage if t not in handed]:
             with contextlib.suppress(BaseException):  # one that failed stopped its nodes
                 stopping.append(asyncio.create_task((await task).stop()))
         await asyncio.gather(*stopping)
     return results
+
+
+def stages(plan: Mapping[Layout, Sequence[Case]]) -> list[list[Layout]]:
+    """The layouts of ``plan`` in the order they run: each other layout alone, in ``plan``'s
+    order (DEFAULT's first), then those of ``LAST`` together."""
+    last = [layout for layout in plan if layout in LAST]
+    return [[layout] for layout in plan if layout not in LAST] + ([last] if last else [])
 
 
 async def _started(layout: Layout, roles: set[Role]) -> Testbed:
@@ -407,7 +442,9 @@ async def run_self(
     most of their time is waiting for those to start."""
     own = Testbed()
     beside = [c for c in cases if c.suite in BESIDE]
-    alongside = asyncio.create_task(run_suites(own, beside, options, on_result, timeout))
+    alongside = asyncio.create_task(
+        run_suites(own, beside, options, on_result, timeout, side_by_side=True)
+    )
     try:
         rest = [c for c in cases if c.suite not in BESIDE]
         results = await _run_layouts(rest, options, on_result, timeout)

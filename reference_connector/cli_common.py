@@ -4,6 +4,7 @@ server, serve until SIGINT or SIGTERM, report how it ended; and running one stan
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import signal
 import sys
@@ -18,6 +19,16 @@ if TYPE_CHECKING:  # uvicorn and FastAPI load only when a server starts
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _POLL_S = 0.5
+#: ``kill -USR1`` on a server or one of its workers prints every thread's stack to its stderr.
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def print_stacks_on_signal() -> None:
+    """Print every thread's Python stack to stderr on ``STACKS_SIGNAL``, from the signal handler
+    itself: it shows where a process that stopped answering waits, even one whose threads are
+    all blocked. A forked child inherits it."""
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
+
 
 A = TypeVar("A", bound="AppServer")
 
@@ -57,22 +68,42 @@ def serve(
 ) -> int:
     """Start with ``start`` and serve until a signal (or ``duration`` seconds): 0 on a clean
     stop, 1 if the server died or failed to start (``failures``), 2 on bad usage (bind errors,
-    bad values). The banner goes to ``banner_stream`` (stdout)."""
-    try:
-        server = start()
-    except (OSError, ValueError) as exc:
-        print(f"pdwire {command}: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except failures as exc:
-        print(f"pdwire {command}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    bad values). The banner goes to ``banner_stream`` (stdout). ``STACKS_SIGNAL`` prints
+    the stacks of this process's threads, and of its workers' (started by ``start``)."""
+    print_stacks_on_signal()
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(banner(server), file=banner_stream or sys.stdout, flush=True)
+    # A SIGTERM while the server starts stops it once it has started; SIGINT still interrupts it.
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, on_signal)}
+    try:
+        try:
+            server = start()
+        except (OSError, ValueError) as exc:
+            print(f"pdwire {command}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except failures as exc:
+            print(f"pdwire {command}: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, on_signal)
+        return _serve_until(command, server, stop, banner(server), banner_stream, duration)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _serve_until(
+    command: str,
+    server: AppServer,
+    stop: threading.Event,
+    banner: str,
+    banner_stream: TextIO | None,
+    duration: float | None,
+) -> int:
+    """Serve until ``stop`` is set (or ``duration`` seconds), then stop ``server``."""
+    print(banner, file=banner_stream or sys.stdout, flush=True)
     end = None if duration is None else time.monotonic() + duration
     try:
         while not stop.wait(_POLL_S if end is None else min(_POLL_S, end - time.monotonic())):
@@ -84,8 +115,6 @@ def serve(
         return EXIT_OK
     finally:
         server.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def standalone(

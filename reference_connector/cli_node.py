@@ -14,6 +14,7 @@ from pdwire.versions import LEGACY, PDWIRE_2
 
 from .cli_common import add_key_options, read_keys, serve, standalone
 from .dp_placement import LOAD_BALANCING, LOOPBACK, DataParallel
+from .worker_spec import WORKER_STARTS
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
     from .node_api import NodeServer
@@ -160,6 +161,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the workers' side-channel agent: a factory taking a "
         "reference_connector.worker_agents.WorkerContext (default: pdwire's own agents)",
     )
+    p.add_argument(
+        "--worker-start",
+        choices=WORKER_STARTS,
+        default="spawn",
+        help="how the workers start: 'spawn' (a new interpreter for a node of one worker; "
+        "a forkserver that loads their modules once for several), or 'fork' from this "
+        "process, quick where it has loaded the workers' modules already (the conformance "
+        "harness forks its reference nodes from a process that has)",
+    )
     add_key_options(
         p,
         "sign and check every side-channel message and sign registrations with the key in "
@@ -275,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model,
             load_timeout=args.load_timeout,
             agent=args.agent,
+            worker_start=args.worker_start,
             abort_timeout=args.abort_timeout,
             receive_timeout=args.receive_timeout,
             kv_lease_duration=args.kv_lease_duration,

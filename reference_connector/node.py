@@ -44,7 +44,7 @@ from .kv_content import (
     place,
 )
 from .node_worker import WorkerError, WorkerHandle
-from .worker_spec import WorkerSpec
+from .worker_spec import WorkerSpec, WorkerStart
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,7 @@ class NodeConfig:
     alloc_timeout: float = 30.0  # the longest wait for free blocks
     start_timeout: float = 120.0
     agent: str = ""  # the workers' agent factory, MODULE:CALLABLE; "" = pdwire's own
+    worker_start: WorkerStart = "spawn"  # how the workers start (``node_worker``)
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
     receive_timeout: float | None = None  # decode: per pull; None = abort_timeout + 60 (3.1-R8)
     kv_lease_duration: float | None = None  # vLLM 0.34's lease (§6.4); None = no lease
@@ -208,6 +209,7 @@ class NodeEngine:
                     start_timeout=c.start_timeout,
                     log_level=level,
                     agent=c.agent,
+                    start=c.worker_start,
                     abort_timeout=c.abort_timeout,
                     receive_timeout=c.receive_timeout,
                     lease=c.kv_lease_duration,

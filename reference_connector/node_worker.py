@@ -1,9 +1,10 @@
 """A node's worker processes, one per (tp_rank, pp_rank): the front's handles on them (what each
 is started with is ``worker_spec``; the process itself is ``worker_process``, which loads torch;
-the front does not).
+the front does not, unless it was forked from a process that had: ``--worker-start fork``).
 
 Each worker (spawned, or, on a node of several workers, forked from the front's multiprocessing
-forkserver, which loads the workers' modules once, torch above all) holds its ``KVPool`` and its
+forkserver, which loads the workers' modules once, torch above all; or forked from the front
+itself with ``--worker-start fork``) holds its ``KVPool`` and its
 agent (``worker_agents``: by default a ``ProducerAgent`` on a prefill node, a ``ConsumerAgent``
 on a decode node, over the worker's transfer engine). The front
 talks to it over one duplex Pipe:
@@ -46,11 +47,18 @@ PRELOAD = ("reference_connector.worker_process", "reference_connector.worker_age
 
 
 def _context(
-    workers: int,
-) -> multiprocessing.context.SpawnContext | multiprocessing.context.ForkServerContext:
-    """Spawn for a node of one worker (a forkserver would load the same modules, then fork);
-    the forkserver, loading PRELOAD once, for a node of several."""
-    if workers == 1:
+    spec: WorkerSpec,
+) -> (
+    multiprocessing.context.SpawnContext
+    | multiprocessing.context.ForkServerContext
+    | multiprocessing.context.ForkContext
+):
+    """``spec.start``: fork from the front; or spawn for a node of one worker (a forkserver
+    would load the same modules, then fork), the forkserver, loading PRELOAD once, for a node
+    of several."""
+    if spec.start == "fork":
+        return multiprocessing.get_context("fork")
+    if spec.tp_size * spec.pp_size == 1:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
@@ -94,7 +102,7 @@ class WorkerHandle:
         self._reader: threading.Thread | None = None
 
     def start(self) -> None:
-        ctx = _context(self.spec.tp_size * self.spec.pp_size)
+        ctx = _context(self.spec)
         self._conn, child = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_run_worker, args=(self.spec, child), name=f"pdwire-{self.spec.name}"

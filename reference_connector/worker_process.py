@@ -14,6 +14,7 @@ from typing import Any
 
 from pdwire.events import LoadRequest, RequestQueued
 
+from .cli_common import print_stacks_on_signal
 from .kv_content import BlockTable
 from .kv_pool import KVPool
 from .kv_values import ContextDigest
@@ -181,6 +182,8 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """The worker process: start, announce, serve the front's commands, close."""
     # A terminal's Ctrl-C reaches the whole process group; the front stops its workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a forked worker's front had its own
+    print_stacks_on_signal()  # a spawned worker has not inherited it
     logging.basicConfig(
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Final, Literal, get_args
 
 from pdwire.messages import KV_LAYOUT_NAMES, Fingerprint
 from pdwire.roles import Role
 from pdwire.versions import PDWIRE_2, Profile
 
 from .kv_content import KVShape
+
+#: How a node's front starts its workers (``node_worker._context``).
+WorkerStart = Literal["spawn", "fork"]
+WORKER_STARTS: Final = get_args(WorkerStart)
 
 POLL_S = 0.5  # how often a pipe reader looks up from its pipe
 
@@ -35,6 +40,7 @@ class WorkerSpec:
     start_timeout: float = 120.0
     log_level: int = logging.INFO
     agent: str = ""  # MODULE:CALLABLE of the agent factory; "" = pdwire's own (worker_agents)
+    start: WorkerStart = "spawn"  # how the front starts the worker (node_worker._context)
     abort_timeout: float = 480.0  # VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT (§6)
     receive_timeout: float | None = None  # D, per pull; None = abort_timeout + 60 (3.1-R8)
     lease: float | None = None  # kv_lease_duration, P and D (§6.4); None = no lease

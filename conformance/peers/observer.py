@@ -161,6 +161,7 @@ class _Upstream:
     socket: zmq.asyncio.Socket
     reader: asyncio.Task[None]
     record: Relayed
+    case: int  # the case (``begin``) in which D sent the message
 
 
 @dataclasses.dataclass
@@ -199,6 +200,20 @@ def _keys(data: bytes) -> list[str]:
     return [str(k) for k in obj] if isinstance(obj, dict) else []
 
 
+def _ended(rec: Relayed) -> bool:
+    """Whether P's last reply to ``rec`` ended it (an undecodable one does: D gives up)."""
+    last = rec.replies[-1].msg if rec.replies else None
+    return last is None or last.status in TERMINAL
+
+
+def _terminal(frames: list[bytes]) -> bool:
+    """Whether the reply ``frames`` ends its message, judged from the payload alone."""
+    try:
+        return decode_response(frames[-1] if frames else b"").status in TERMINAL
+    except DecodeError:
+        return True
+
+
 def _endpoint_of(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
@@ -235,6 +250,7 @@ class Observer:
         self._d_announces: dict[DWorker, frozenset[str]] = {}  # D workers seen announcing: caps
         self._last_frame = time.monotonic()
         self._frame = asyncio.Event()
+        self._case = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -265,7 +281,12 @@ class Observer:
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"observer relay {view}")
         return _Relay(view, f"http://{_endpoint_of(self.host)}:{port}", server, task)
 
-    async def close(self) -> None:
+    async def close(self) -> int:
+        """Stop relaying, once every message D sent has had P's terminal reply passed on, or
+        after ``timeout``; return how many had not: D holds their blocks until its receive
+        timeout."""
+        await self._until(lambda: not self._unanswered(), self.timeout)
+        unanswered = len(self._unanswered())
         for relay in self._relays.values():
             relay.server.should_exit = True
         tasks = [r.task for r in self._relays.values()]
@@ -275,7 +296,7 @@ class Observer:
                 task.cancel()
         readers = [up.reader for ep in self._endpoints.values() for up in ep.upstreams.values()]
         for ep in self._endpoints.values():
-            self._drop_upstreams(ep)
+            self._drop_upstreams(ep, unanswered=True)
             if ep.reader is not None:
                 ep.reader.cancel()
                 readers.append(ep.reader)
@@ -284,20 +305,34 @@ class Observer:
             ep.router.close(linger=0)
         self._zmq.destroy(linger=0)
         await self._http.aclose()
+        return unanswered
 
     def begin(self, log: WireLog) -> None:
-        """Start a case: its wire log; no records, problems or delays yet."""
+        """Start a case: its wire log; no records, problems or delays yet. A message of an
+        earlier case that P has not answered keeps its way back to D: dropped, its answer would
+        leave D holding the request's blocks until its receive timeout."""
         self.log = log
         self.records, self.problems, self.queries, self.refused = [], [], [], []
         self.delays = {}
+        self._case += 1
         for ep in self._endpoints.values():
-            self._drop_upstreams(ep)
+            self._drop_upstreams(ep, unanswered=False)
 
-    def _drop_upstreams(self, ep: _Endpoint) -> None:
-        for up in ep.upstreams.values():
-            up.reader.cancel()
-            up.socket.close(linger=0)
-        ep.upstreams.clear()
+    def _unanswered(self) -> list[_Upstream]:
+        return [
+            up
+            for ep in self._endpoints.values()
+            for up in ep.upstreams.values()
+            if up.record.terminal_at is None
+        ]
+
+    def _drop_upstreams(self, ep: _Endpoint, *, unanswered: bool) -> None:
+        """Close the sockets to P whose message had its terminal reply (``unanswered``: all)."""
+        for identity, up in list(ep.upstreams.items()):
+            if unanswered or up.record.terminal_at is not None:
+                up.reader.cancel()
+                up.socket.close(linger=0)
+                del ep.upstreams[identity]
 
     # -- what cases ask ----------------------------------------------------------------------
 
@@ -497,9 +532,9 @@ class Observer:
                     sock.close(linger=0)
                     continue
                 reader = asyncio.create_task(self._from_p(ep, identity, sock))
-                up = ep.upstreams[identity] = _Upstream(sock, reader, rec)
+                up = ep.upstreams[identity] = _Upstream(sock, reader, rec, self._case)
             else:
-                up.record = rec
+                up.record, up.case = rec, self._case
             await up.socket.send_multipart(rest)
 
     async def _from_p(self, ep: _Endpoint, identity: bytes, sock: zmq.asyncio.Socket) -> None:
@@ -510,16 +545,21 @@ class Observer:
                 if delay > 0:
                     await asyncio.sleep(delay)  # the slow link the case asked for
                 up = ep.upstreams.get(identity)
-                if up is not None:
+                earlier = up is not None and up.case != self._case
+                if earlier:
+                    self.log.note(
+                        f"P worker {ep.worker} answered a message of an earlier case: passed "
+                        "on to D unchecked"
+                    )
+                elif up is not None:
                     try:
                         self._inspect_from_p(ep, up.record, frames)
                     except Exception:  # the observer's own bug: record it, keep relaying
                         self._harness_error("a reply from P")
                 await ep.router.send_multipart([identity, *frames])
-                if up is not None and up.record.terminal_at is None:
-                    last = up.record.replies[-1].msg if up.record.replies else None
-                    if last is None or last.status in TERMINAL:
-                        up.record.terminal_at = time.monotonic()
+                ended = _terminal(frames) if earlier else up is not None and _ended(up.record)
+                if up is not None and up.record.terminal_at is None and ended:
+                    up.record.terminal_at = time.monotonic()
                 self._touch()
 
     def _channel(self, ep: _Endpoint, to_p: bool) -> str:

@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final
@@ -250,8 +251,15 @@ class PairEnv(OfPEngine):
         await self.observer.start()
 
     async def close(self) -> None:
-        await self.observer.close()
+        unanswered = await self.observer.close()
         await self.http.aclose()
+        if unanswered:
+            print(
+                f"pdwire conformance: {unanswered} message(s) of D's still had no answer from P "
+                f"{self.options.request_timeout:g}s after the last case; the relay is gone, so D "
+                "holds their blocks until its receive timeout",
+                file=sys.stderr,
+            )
 
     async def serving(self) -> str | None:
         """Whether the pair still serves (``runner.Probe``): a plain request, sent as the proxy

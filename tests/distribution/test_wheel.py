@@ -263,8 +263,9 @@ def _python(env: Path, code: str) -> str:
 
 
 def _user_env() -> dict[str, str]:
-    """This environment, less what would let the venv import from the repository."""
-    drop = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"}
+    """This environment, less what would let the venv import from the repository, and with
+    Python writing the bytecode of what it imports, as it does by default."""
+    drop = {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PYTHONDONTWRITEBYTECODE"}
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
@@ -310,7 +311,9 @@ def _install(env: Path, requirement: str) -> None:
     """Install from the cache only; on a miss (a cold cache, or dependencies that changed),
     download into the cache from the package index once and install again."""
     pip = [sys.executable, "-m", "pip", "--python", str(env / "bin" / "python")]
-    offline = [*pip, "install", "--no-index", "--find-links", str(CACHE), requirement]
+    # No bytecode at install: the commands write that of what they import (``_user_env``).
+    offline = [*pip, "install", "--no-compile", "--no-index", "--find-links", str(CACHE)]
+    offline.append(requirement)
     done = _pip(offline, isolated=True)
     if done.returncode != 0:
         CACHE.mkdir(parents=True, exist_ok=True)

@@ -4,15 +4,20 @@ with empty pools."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from conformance.testees import Testee
 from pdwire.roles import Role
 
-from .deployment import Deployment, Requests
+from .deployment import Deployment, Requests, Service, stats
+
+#: Lines of each process's log in a failed test's report: its warnings, then its stacks.
+LOG_LINES = 120
 
 
 class Shared:
@@ -34,8 +39,52 @@ class Shared:
             assert self._nodes[key].alive(), f"shared node {key} exited"
         return [self._nodes[k] for k in keys]
 
+    def started(self) -> list[Testee]:
+        return list(self._nodes.values())
+
     def stop(self) -> None:
         self._deployment.stop()
+
+
+def _title(part: Testee | Service) -> str:
+    name = f"{part.role} node" if isinstance(part, Testee) else part.name
+    return f"log of the {name} at {part.url}"
+
+
+def failure_evidence(funcargs: dict[str, Any]) -> list[tuple[str, str]]:
+    """What a test's fixtures hold: its requests, each with how long it took or has waited,
+    and a section per process of ``deployment`` and ``shared``: a node's counters, then the
+    log, ending with the stacks of its threads when it still runs."""
+    sections = []
+    if isinstance(requests := funcargs.get("requests"), Requests):
+        sections.append(("requests", "\n".join(t.state() for t in requests.tracked)))
+    parts: list[Testee | Service] = []
+    if isinstance(deployment := funcargs.get("deployment"), Deployment):
+        parts += deployment.parts
+    if isinstance(shared := funcargs.get("shared"), Shared):
+        parts += shared.started()
+    return sections + [(_title(p), _counters(p) + p.evidence(LOG_LINES)) for p in parts]
+
+
+def _counters(part: Testee | Service) -> str:
+    """A live node's ``/pdwire/stats`` (pulls sent, received, answered; blocks held), on a
+    line of its own."""
+    if not isinstance(part, Testee) or not part.alive():
+        return ""
+    try:
+        return f"stats: {json.dumps(stats(part))}\n"
+    except (httpx.HTTPError, ValueError) as exc:
+        return f"stats: not read ({type(exc).__name__}: {exc})\n"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test's report ends with the log of every process it used: a fault that shows
+    once in many runs is diagnosed from CI's output, and the logs go when the processes stop."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        report.sections += failure_evidence(getattr(item, "funcargs", {}))
 
 
 @pytest.fixture(scope="session")

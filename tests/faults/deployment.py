@@ -38,8 +38,12 @@ logger = logging.getLogger(__name__)
 SLACK: Final = 2.0
 #: P's abort timeout (ready wait, retention): the testees' own, 2 s.
 ABORT: Final = ABORT_TIMEOUT
-#: D's receive timeout per pull, instead of abort + 60 s.
-RECEIVE: Final = 3.0
+#: D's receive timeout per pull, instead of abort + 60 s. At 3 s, a pull of a plain transfer
+#: once got no reply in time on CI's loaded machine (test_p_restart's first transfer).
+RECEIVE: Final = 6.0
+#: The slow P's prefill (--prefill-delay), past D's deadline or P's ready wait, and long enough
+#: that the test acts while the pull waits at P even when the pull reached P late.
+SLOW_PREFILL: Final = 6.0
 #: D's front-end backstop on a load (--load-timeout): far above every timer here.
 LOAD_TIMEOUT: Final = 20.0
 POLL: Final = 0.1  # polling another process's counters: nothing to await
@@ -110,12 +114,15 @@ def node(
     profile: str = PDWIRE_2,
     tp: int = 1,
     prefill_delay: float = 0.0,
+    abort_timeout: float = ABORT,
     extra: Sequence[str] = (),
     bootstrap: str = "",
     bootstrap_port: int = 0,
+    port: int = 0,
     wait: bool = True,
 ) -> Testee:
-    """A node with the fault tests' short timers; ``wait=False`` returns before it is up."""
+    """A node with the fault tests' short timers, its API on ``port`` (0: a free one);
+    ``wait=False`` returns before it is up."""
     flags = ["--load-timeout", str(LOAD_TIMEOUT), *extra]
     if role == "decode":
         flags += ["--receive-timeout", str(RECEIVE)]
@@ -125,9 +132,11 @@ def node(
         role,
         tp=tp,
         profile=profile,
+        abort_timeout=abort_timeout,
         extra=flags,
         bootstrap=bootstrap,
         bootstrap_port=bootstrap_port,
+        port=port,
     )
     if wait:
         testee.wait_healthy(START_TIMEOUT)
@@ -222,9 +231,10 @@ class Deployment:
         return service
 
     def proxy(
-        self, prefill: Testee, bootstrap: str, decode: Testee, profile: str, *, ready: bool = True
+        self, prefill: str, bootstrap: str, decode: Testee, profile: str, *, ready: bool = True
     ) -> Service:
-        service = start_proxy(prefill.url, bootstrap, decode.url, profile, ready=ready)
+        """``start_proxy`` for the P node at URL ``prefill``."""
+        service = start_proxy(prefill, bootstrap, decode.url, profile, ready=ready)
         self.parts.append(service)
         return service
 
@@ -290,6 +300,14 @@ class Tracked:
         assert self.sent is not None and self.ended is not None, f"{self.name} is not over"
         return self.ended - self.sent
 
+    def state(self) -> str:
+        """Where the request is, for a failure's report."""
+        if self.sent is None:
+            return f"{self.name}: waiting for a client thread"
+        if self.ended is None:
+            return f"{self.name}: no answer {time.monotonic() - self.sent:.2f}s after it was sent"
+        return f"{self.name}: {self.outcome()} after {self.took:.2f}s (bound {self.bound}s)"
+
     def response(self) -> httpx.Response:
         """The response; HTTP-level failures (the peer died) are raised."""
         return self.future.result(0)
@@ -342,7 +360,7 @@ class Requests:
                     f"{t.name} not terminal within {t.bound}s + {SLACK}s"
                 ) from None
             assert t.took <= t.bound + SLACK, f"{t.name} took {t.took:.2f}s, bound {t.bound}s"
-            logger.info("%s: %s after %.2fs (bound %.1fs)", t.name, t.outcome(), t.took, t.bound)
+            logger.info("%s", t.state())
         return chosen
 
     def close(self) -> None:

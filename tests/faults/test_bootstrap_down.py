@@ -45,10 +45,12 @@ def test_bootstrap_down_at_start_then_up(
     shared: Shared, deployment: Deployment, requests: Requests
 ) -> None:
     (d,) = shared.get(("decode", {}))
-    port = free_port()
+    port, p_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
-    p = deployment.node("prefill", bootstrap=url, wait=False)
-    proxy = deployment.proxy(p, url, d, "pdwire/2", ready=False)
+    # the proxy, a process of its own, starts first: the server must come up within 3 s of P's
+    # first attempt, and nothing slow may run in between
+    proxy = deployment.proxy(f"http://127.0.0.1:{p_port}", url, d, "pdwire/2", ready=False)
+    p = deployment.node("prefill", bootstrap=url, port=p_port, wait=False)
     tid = new_transfer_id()
     down = [
         requests.post("P leg, P unregistered", p.url, p_body(prompt(1), tid), FAST),

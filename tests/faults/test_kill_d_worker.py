@@ -14,6 +14,7 @@ from .conftest import Shared
 from .deployment import (
     ABORT,
     SLACK,
+    SLOW_PREFILL,
     START_TIMEOUT,
     Deployment,
     Requests,
@@ -28,13 +29,12 @@ from .deployment import (
 
 pytestmark = pytest.mark.faults
 
-DELAY = 3.0  # the pull waits at P this long: the kill lands mid-pull
 STOP_BOUND = 10.0  # the node's health poll, then its HTTP server's graceful stop
 
 
 def test_kill_d_worker_mid_pull(shared: Shared, deployment: Deployment, requests: Requests) -> None:
     doomed = deployment.node("decode", tp=2, wait=False)  # starts beside the shared nodes
-    p, fresh = shared.get(("prefill", {"prefill_delay": DELAY}), ("decode", {}))
+    p, fresh = shared.get(("prefill", {"prefill_delay": SLOW_PREFILL}), ("decode", {}))
     doomed.wait_healthy(START_TIMEOUT)
     pids = worker_pids(doomed)
     before = pulls_received(p)

@@ -37,7 +37,8 @@ def test_kill_p_mid_transfer(
     shared: Shared, deployment: Deployment, requests: Requests, profile: str
 ) -> None:
     (d,) = shared.get(("decode", {"profile": profile}))
-    doomed = deployment.node("prefill", profile=profile, prefill_delay=10.0)
+    # P's ready wait far outlasts the test: alive, it would answer the pull on its own
+    doomed = deployment.node("prefill", profile=profile, prefill_delay=10.0, abort_timeout=60.0)
     v2 = profile == PDWIRE_2
     bound = DEADLINE_MS / 1000 + RECEIVE if v2 else RECEIVE
     p_leg, d_leg = transfer(

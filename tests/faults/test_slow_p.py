@@ -9,16 +9,23 @@ import pytest
 from pdwire.versions import LEGACY
 
 from .conftest import Shared
-from .deployment import ABORT, SLACK, Requests, load_failed, pools_drained, transfer
+from .deployment import (
+    ABORT,
+    SLACK,
+    SLOW_PREFILL,
+    Requests,
+    load_failed,
+    pools_drained,
+    transfer,
+)
 
 pytestmark = pytest.mark.faults
 
-DELAY = 3.0  # > ABORT: P finishes after its ready wait has ended
 DEADLINE_MS = 1000
 
 
 def test_slow_p_v2_d_fails_by_its_deadline(shared: Shared, requests: Requests) -> None:
-    p, d = shared.get(("prefill", {"prefill_delay": DELAY}), ("decode", {}))
+    p, d = shared.get(("prefill", {"prefill_delay": SLOW_PREFILL}), ("decode", {}))
     p_leg, d_leg = transfer(requests, p, d, 1, d_bound=DEADLINE_MS / 1000, deadline_ms=DEADLINE_MS)
     requests.terminal(d_leg)
     assert "DEADLINE_EXCEEDED" in load_failed(d_leg)
@@ -30,7 +37,8 @@ def test_slow_p_v2_d_fails_by_its_deadline(shared: Shared, requests: Requests) -
 
 def test_slow_p_legacy_d_fails_by_p_ready_wait(shared: Shared, requests: Requests) -> None:
     p, d = shared.get(
-        ("prefill", {"prefill_delay": DELAY, "profile": LEGACY}), ("decode", {"profile": LEGACY})
+        ("prefill", {"prefill_delay": SLOW_PREFILL, "profile": LEGACY}),
+        ("decode", {"profile": LEGACY}),
     )
     p_leg, d_leg = transfer(requests, p, d, 2, d_bound=ABORT)
     requests.terminal(d_leg)

@@ -29,7 +29,7 @@ def first_token(url: str, text: str) -> int:
 def test_stop_token_first_under_load(shared: Shared, deployment: Deployment, policy: str) -> None:
     options = {} if policy == "fail" else {"extra": ("--load-failure-policy", policy)}
     p, d = shared.get(("prefill", {}), ("decode", options))
-    proxy = deployment.proxy(p, p.bootstrap, d, "pdwire/2")
+    proxy = deployment.proxy(p.url, p.bootstrap, d, "pdwire/2")
     prompts = [prompt(100 + i) for i in range(REQUESTS)]
     bodies = [
         {"prompt": text, "max_tokens": 4, "stop_token_ids": [first_token(d.url, text)]}

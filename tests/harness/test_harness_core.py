@@ -384,6 +384,58 @@ def test_each_case_runs_in_the_layout_it_needs() -> None:
     assert pp.prefill_pp >= 2 and tp.decode_tp >= 2
 
 
+def test_layouts_run_alone_and_the_timer_layouts_together_last() -> None:
+    """``selftest.stages``: DEFAULT's layout alone first, each other layout alone, then the
+    lease and slow-prefill layouts together; no layout twice or missing."""
+    from conformance import selftest
+
+    order = selftest.stages(selftest.by_layout(all_cases()))
+    assert order[0] == [selftest.DEFAULT]
+    assert set(order[-1]) == set(selftest.LAST) and len(order[-1]) == len(selftest.LAST)
+    assert all(len(stage) == 1 and stage[0] not in selftest.LAST for stage in order[:-1])
+    flat = [layout for stage in order for layout in stage]
+    assert sorted(map(str, flat)) == sorted(map(str, selftest.by_layout(all_cases())))
+
+
+def test_a_stage_whose_layout_fails_to_start_stops_the_testbeds_that_started(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When one layout of the last stage fails to start, the other's testbed, which started, is
+    stopped and the failure is raised. The start is faked: a node that fails to start beside
+    one that starts cannot be caused on purpose here."""
+    from conformance import selftest
+
+    stopped: list[Layout] = []
+    lease, slow = selftest.LEASED, selftest.SLOW_PREFILL
+
+    class Bed(selftest.Testbed):
+        async def stop(self) -> None:
+            stopped.append(self.layout)
+
+    async def started(layout: Layout, roles: set[str]) -> selftest.Testbed:
+        if layout == slow:
+            await asyncio.sleep(0.05)  # the lease layout has started by then
+            raise RuntimeError("the slow-prefill P did not start")
+        return Bed(layout)
+
+    monkeypatch.setattr(selftest, "_started", started)
+    cases = [c for c in all_cases() if selftest.layout_of(c) in (lease, slow)]
+    with pytest.raises(RuntimeError, match="did not start"):
+        asyncio.run(selftest._run_layouts(cases, runner.RunOptions(), None, 1.0))
+    assert stopped == [lease]
+
+
+def test_a_free_port_is_never_given_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ``free_port`` calls (a node's API and its bootstrap server) never get the same port,
+    though the first was not bound yet when the second came: with every pick the same port,
+    the second gets another."""
+    from conformance import ports
+
+    first = ports.free_port()
+    monkeypatch.setattr(ports.random, "randrange", lambda lo, hi: first)
+    assert ports.free_port() != first
+
+
 def test_a_fake_peer_never_takes_an_address_one_had_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """``bind_fresh`` gives each socket a port no socket of the process had, even once the
     earlier ones closed, so a testee's memory of an address never meets a new peer; a port
@@ -483,6 +535,7 @@ def test_a_run_that_cannot_start_still_writes_its_reports(
     nobody = f"http://127.0.0.1:{free_port()}"
     paths = {"json": tmp_path / "r.json", "junit": tmp_path / "r.xml"}
     args = ["producer", "--api", nobody, "--bootstrap", nobody, "--cases", "producer/3.2/*"]
+    args += ["--timeout", "1"]  # how long the harness waits for the testee that never comes
     code = cli.main([*args, "-q", "--json", str(paths["json"]), "--junit", str(paths["junit"])])
     assert code == 2
     reason = capsys.readouterr().err.strip().splitlines()[-1]

@@ -23,6 +23,9 @@ pytestmark = pytest.mark.conformance
 pytest.importorskip("mooncake.engine")
 
 TRANSFER: Final = "producer/3.4/1"
+#: Each run's wait for the testee (``--timeout``): the vLLM servers of another module may be
+#: starting beside these runs. A case that passes or fails on an answer takes no longer for it.
+WAIT: Final = "30"
 
 
 def test_together_is_one_region_per_layer_of_both_halves() -> None:
@@ -80,7 +83,7 @@ def _producer(p: testees.Testee, tmp_path: Path, *layout: str) -> dict[str, dict
     _, doc = suite_report.run(
         tmp_path, "run",
         ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *testees.GEOMETRY, *layout,
-         "--timeout", "3", "--cases", TRANSFER],
+         "--timeout", WAIT, "--cases", TRANSFER],
     )  # fmt: skip
     return suite_report.cases(doc)
 
@@ -97,7 +100,8 @@ def _pair_case(tmp_path: Path, p: testees.Testee, d: testees.Testee) -> dict[str
     byte it loaded against the prompt's KV (the node's --verify-kv default)."""
     _, doc = suite_report.run(
         tmp_path, "pair",
-        ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url, "--cases", "pair/5.2/1"],
+        ["pair", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url, "--timeout", WAIT,
+         "--cases", "pair/5.2/1"],
     )  # fmt: skip
     return suite_report.only(doc)
 
@@ -135,9 +139,8 @@ def test_heads_split_over_tp_within_blocks_that_hold_k_and_v(tmp_path: Path) -> 
 
 def _preflight(p: testees.Testee, d: testees.Testee, capsys: pytest.CaptureFixture[str]) -> Any:
     capsys.readouterr()
-    code = cli.main(
-        ["preflight", "--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url, "--json"]
-    )
+    target = ["--prefill", f"{p.url}@{p.bootstrap}", "--decode", d.url]
+    code = cli.main(["preflight", *target, "--json", "--timeout", WAIT])
     doc = json.loads(capsys.readouterr().out)
     (layout,) = (f for f in doc["findings"] if f["check"] == "kv layout")
     return code, layout
@@ -167,7 +170,7 @@ def test_a_pdwire2_p_names_its_layout_and_the_suite_takes_it(tmp_path: Path) -> 
         _, doc = suite_report.run(
             tmp_path, "named",
             ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *testees.GEOMETRY,
-             "--timeout", "3", "--cases", f"{TRANSFER},producer/3.6/4"],
+             "--timeout", WAIT, "--cases", f"{TRANSFER},producer/3.6/4"],
         )  # fmt: skip
     finally:
         p.stop()
@@ -189,7 +192,7 @@ def test_an_mla_p_serves_the_fake_d_of_its_layout(profile: str, tmp_path: Path) 
         _, doc = suite_report.run(
             tmp_path, "mla",
             ["producer", "--api", p.url, "--bootstrap", p.bootstrap, *MLA_GEOMETRY, *told,
-             "--timeout", "3", "--cases", TRANSFER],
+             "--timeout", WAIT, "--cases", TRANSFER],
         )  # fmt: skip
     finally:
         p.stop()
