@@ -22,7 +22,7 @@ import httpx
 
 from pdwire.roles import Role
 
-from . import warm_start
+from . import stacks, warm_start
 from .peers.http import client_tls
 from .ports import free_port
 
@@ -99,6 +99,7 @@ class ChildProcess:
         for pid in process_tree(self.process.pid):
             if not _handles(pid, STACKS_SIGNAL):
                 continue
+            stacks.mark(self.log_path, pid)
             size = self._log_size()
             try:
                 os.kill(pid, STACKS_SIGNAL)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Final
 
 import httpx
 import pytest
 
+from conformance import stacks
 from conformance.testees import Testee
 from pdwire.roles import Role
 
@@ -52,9 +53,10 @@ def _title(part: Testee | Service) -> str:
 
 
 def failure_evidence(funcargs: dict[str, Any]) -> list[tuple[str, str]]:
-    """What a test's fixtures hold: its requests, each with how long it took or has waited,
-    and a section per process of ``deployment`` and ``shared``: a node's counters, then the
-    log, ending with the stacks of its threads when it still runs."""
+    """What a test's fixtures hold: its requests, each with how long it took or has waited;
+    then, in a few lines per process of ``deployment`` and ``shared``, its counters and where
+    each of its threads waits; then a section per process: its whole counters and the end of
+    its log, ending with the stacks of its threads when it still runs."""
     sections = []
     if isinstance(requests := funcargs.get("requests"), Requests):
         sections.append(("requests", "\n".join(t.state() for t in requests.tracked)))
@@ -63,18 +65,41 @@ def failure_evidence(funcargs: dict[str, Any]) -> list[tuple[str, str]]:
         parts += deployment.parts
     if isinstance(shared := funcargs.get("shared"), Shared):
         parts += shared.started()
-    return sections + [(_title(p), _counters(p) + p.evidence(LOG_LINES)) for p in parts]
+    read = [(p, _stats(p), p.evidence(LOG_LINES)) for p in parts]
+    short = ["\n".join([_title(p), *_counters(body), *stacks.digest(log)]) for p, body, log in read]
+    sections.append(("where each process waits", "\n".join(short)))
+    return sections + [(_title(p), f"stats: {body}\n{log}") for p, body, log in read]
 
 
-def _counters(part: Testee | Service) -> str:
-    """A live node's ``/pdwire/stats`` (pulls sent, received, answered; blocks held), on a
-    line of its own."""
-    if not isinstance(part, Testee) or not part.alive():
-        return ""
+def _stats(part: Testee | Service) -> str:
+    """A live node's ``/pdwire/stats`` (pulls sent, received, answered; blocks held) as JSON,
+    or why there is none."""
+    if not isinstance(part, Testee):
+        return "none (not a node)"
+    if not part.alive():
+        return "none (exited)"
     try:
-        return f"stats: {json.dumps(stats(part))}\n"
+        return json.dumps(stats(part))
     except (httpx.HTTPError, ValueError) as exc:
-        return f"stats: not read ({type(exc).__name__}: {exc})\n"
+        return f"not read ({type(exc).__name__}: {exc})"
+
+
+#: The counters of a node and of each of its workers that the short report shows.
+NODE_COUNTERS: Final = ("blocks_in_use", "transfers_held", "oldest_held_s", "requests")
+WORKER_COUNTERS: Final = ("pid", "alive", "pulls_sent", "open_sockets", "pulls_received", "writes")
+
+
+def _counters(body: str) -> list[str]:
+    """The lines of the short report for the stats ``body`` (``_stats``)."""
+    try:
+        node = json.loads(body)
+    except ValueError:
+        return [f"  stats: {body}"]
+    lines = ["  " + " ".join(f"{k}={node[k]}" for k in NODE_COUNTERS if k in node)]
+    for worker in node.get("workers", []):
+        counters = " ".join(f"{k}={worker[k]}" for k in WORKER_COUNTERS if k in worker)
+        lines.append(f"  {worker.get('name', 'worker')}: {counters}")
+    return lines
 
 
 @pytest.hookimpl(hookwrapper=True)

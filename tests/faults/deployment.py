@@ -65,7 +65,8 @@ class Service(ChildProcess):
 
 def _spawn(name: str, args: Sequence[str]) -> tuple[subprocess.Popen[bytes], Path]:
     fd, log = tempfile.mkstemp(prefix=f"pdwire-fault-{name}-", suffix=".log")
-    with os.fdopen(fd, "wb") as out:
+    os.close(fd)
+    with open(log, "ab") as out:  # O_APPEND: the harness appends lines too (print_stacks)
         cmd = [sys.executable, "-m", "pdwire", name, *args]
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     return process, Path(log)
