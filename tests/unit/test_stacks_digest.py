@@ -26,7 +26,6 @@ def test_a_line_per_process_then_per_thread_with_its_own_frames() -> None:
             log = Path(folder) / "node.log"
             log.write_text("a line of the node's own\n")
             stacks.mark(log, 4242)
-            threads = threading.active_count()
             with log.open("a") as out:
                 faulthandler.dump_traceback(out, all_threads=True)
             out_text = log.read_text()
@@ -35,7 +34,9 @@ def test_a_line_per_process_then_per_thread_with_its_own_frames() -> None:
         worker.join(10.0)
     lines = stacks.digest(out_text, own=("/tests/unit/",))
     assert lines[0] == "process 4242:"
-    assert len(lines) == 1 + threads, lines
+    # a line for each thread faulthandler printed (pytest-xdist's own threads among them)
+    threads = sum(1 for x in out_text.splitlines() if x.startswith(("Thread 0x", "Current thread")))
+    assert threads >= 2 and len(lines) == 1 + threads, lines
     parked = [line for line in lines if "_parked" in line]
     assert len(parked) == 1, lines
     # its innermost frame is the wait; then this module's frame that parked it

@@ -13,19 +13,18 @@ from tests import conftest, worker_lock
 
 
 def test_a_chains_modules_are_one_unit_and_other_modules_their_own() -> None:
-    mutants, self_run, e2e = conftest.CHAINS[1]
+    faults, mutants, self_run, e2e = conftest.CHAINS[1]
     units = {
+        conftest.unit_of(f"{faults}test_kill_p.py::test_kill_p_mid_transfer[legacy]"),
+        conftest.unit_of(f"{faults}sub/test_y.py::test_y"),
         conftest.unit_of(f"{mutants}::test_every_mutant_is_caught"),
         conftest.unit_of(f"{self_run}::test_self"),
         conftest.unit_of(f"{e2e}::test_the_pair_conformance_suite_passes[legacy]"),
     }
     assert len(units) == 1
-    faults, release_tier = conftest.CHAINS[0]
-    first = conftest.unit_of(f"{release_tier}::test_x[0.34.0]")
-    assert first not in units
-    # a folder stands for each module under it
-    assert conftest.unit_of(f"{faults}test_kill_p.py::test_kill_p_mid_transfer[legacy]") == first
-    assert conftest.unit_of(f"{faults}sub/test_y.py::test_y") == first
+    (release_tier,) = conftest.CHAINS[0]
+    assert conftest.unit_of(f"{release_tier}::test_x[0.34.0]") not in units
+    # a folder stands for each module under it, and only for those
     assert conftest.unit_of("tests/faultsy/test_z.py::test_z") == "tests/faultsy/test_z.py"
     assert conftest.unit_of("tests/unit/test_cli.py::test_help") == "tests/unit/test_cli.py"
 
@@ -34,13 +33,17 @@ def test_the_chains_run_first_in_their_order() -> None:
     chained = [m for chain in conftest.CHAINS for m in chain]
     # a folder's modules keep the order pytest collected them in
     modules = [f"{m}test_b.py" if m.endswith("/") else m for m in chained]
-    modules[:0] = [f"{chained[0]}test_a.py"]
+    folder = next(i for i, m in enumerate(chained) if m.endswith("/"))
+    modules[folder:folder] = [f"{chained[folder]}test_a.py"]
 
     class Item:
         def __init__(self, nodeid: str) -> None:
             self.nodeid = nodeid
 
-    items = [Item(f"{m}::test") for m in ["tests/unit/test_cli.py", *modules[:2], *modules[:1:-1]]]
+    # the folder's two modules in the order collected, every other path reversed
+    others = [m for m in modules if not m.startswith(chained[folder])]
+    ours = [m for m in modules if m.startswith(chained[folder])]
+    items = [Item(f"{m}::test") for m in ["tests/unit/test_cli.py", *ours, *others[::-1]]]
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
     assert [i.nodeid.split("::")[0] for i in items] == [*modules, "tests/unit/test_cli.py"]
 
