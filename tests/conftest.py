@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 #: suite failed. The fault tests, whose timers are seconds, run first, beside the release tier:
 #: beside the servers, they took 238 s here against 70 s alone, and on CI a node's answer due
 #: in milliseconds did not come for 4 to 5 s, three times in two runs. Run before the release
-#: tier instead, they held the servers back by the lock (pytest took 1 154 s, against 623 s).
+#: tier instead, they held the servers back by the lock: pytest took 1 154 s, against 1 032 s
+#: and 1 053 s the same day with the fault tests after the release tier and in this chain.
 CHAINS: Final = (
     ("tests/interop/test_vllm_conformance.py",),
     (

@@ -1,6 +1,6 @@
 """Fixtures of the fault tests: what a test starts itself (``deployment``), its timed requests
 (``requests``), and healthy nodes that every module shares (``shared``), which each test leaves
-with empty pools."""
+with empty pools and which stop once the last fault test is over."""
 
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         report.sections += failure_evidence(getattr(item, "funcargs", {}))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped once the fault tests are over, not with the session
 def shared() -> Iterator[Shared]:
     nodes = Shared()
     try:
