@@ -68,18 +68,18 @@ def failure_evidence(funcargs: dict[str, Any]) -> list[tuple[str, str]]:
     read = [(p, _stats(p), p.evidence(LOG_LINES)) for p in parts]
     short = ["\n".join([_title(p), *_counters(body), *stacks.digest(log)]) for p, body, log in read]
     sections.append(("where each process waits", "\n".join(short)))
-    return sections + [(_title(p), f"stats: {body}\n{log}") for p, body, log in read]
+    return sections + [(_title(p), f"stats: {_json(body)}\n{log}") for p, body, log in read]
 
 
-def _stats(part: Testee | Service) -> str:
-    """A live node's ``/pdwire/stats`` (pulls sent, received, answered; blocks held) as JSON,
-    or why there is none."""
+def _stats(part: Testee | Service) -> dict[str, Any] | str:
+    """A live node's ``/pdwire/stats`` (pulls sent, received, answered; blocks held), or why
+    there is none."""
     if not isinstance(part, Testee):
         return "none (not a node)"
     if not part.alive():
         return "none (exited)"
     try:
-        return json.dumps(stats(part))
+        return stats(part)
     except (httpx.HTTPError, ValueError) as exc:
         return f"not read ({type(exc).__name__}: {exc})"
 
@@ -89,12 +89,14 @@ NODE_COUNTERS: Final = ("blocks_in_use", "transfers_held", "oldest_held_s", "req
 WORKER_COUNTERS: Final = ("pid", "alive", "pulls_sent", "open_sockets", "pulls_received", "writes")
 
 
-def _counters(body: str) -> list[str]:
-    """The lines of the short report for the stats ``body`` (``_stats``)."""
-    try:
-        node = json.loads(body)
-    except ValueError:
-        return [f"  stats: {body}"]
+def _json(body: dict[str, Any] | str) -> str:
+    return body if isinstance(body, str) else json.dumps(body)
+
+
+def _counters(node: dict[str, Any] | str) -> list[str]:
+    """The lines of the short report for the stats ``node`` (``_stats``)."""
+    if isinstance(node, str):
+        return [f"  stats: {node}"]
     lines = ["  " + " ".join(f"{k}={node[k]}" for k in NODE_COUNTERS if k in node)]
     for worker in node.get("workers", []):
         counters = " ".join(f"{k}={worker[k]}" for k in WORKER_COUNTERS if k in worker)
