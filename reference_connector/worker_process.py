@@ -3,6 +3,8 @@ pipe ``node_worker`` describes."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing
 import os
@@ -10,7 +12,7 @@ import signal
 import sys
 import threading
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, Final
 
 from pdwire.events import LoadRequest, RequestQueued
 
@@ -22,6 +24,12 @@ from .worker_agents import Agent, WorkerContext, load_factory
 from .worker_spec import POLL_S, WorkerSpec
 
 logger = logging.getLogger(__name__)
+
+# glibc's mallopt parameters (malloc.h), and what the worker sets them to.
+M_TRIM_THRESHOLD: Final = -1
+M_MMAP_THRESHOLD: Final = -3
+MMAP_THRESHOLD: Final = 32 << 20  # glibc's largest on 64-bit hosts
+TRIM_THRESHOLD: Final = 1 << 30
 
 
 class _Worker:
@@ -178,6 +186,21 @@ class _Worker:
         return stats
 
 
+def keep_freed_memory() -> bool:
+    """Have the C library keep freed blocks below 32 MB for reuse, not hand them back to the
+    kernel. Computing and checking KV allocates and frees tensors of a few MB per block; handed
+    back, the next one faults its pages in afresh: some 15 000 faults for each 1000-token prompt
+    of the seeds' geometry filled and checked, and a third more time than with the memory kept.
+    False where the C library has no ``mallopt`` (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(
+        mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
+
+
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """The worker process: start, announce, serve the front's commands, close."""
     # A terminal's Ctrl-C reaches the whole process group; the front stops its workers itself.
@@ -188,6 +211,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
         level=spec.log_level,
         format=f"%(asctime)s %(levelname)s [{spec.name}] %(name)s: %(message)s",
     )
+    keep_freed_memory()
     worker = _Worker(spec, conn)
     try:
         try:
