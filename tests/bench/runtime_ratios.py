@@ -169,13 +169,16 @@ class Rig:
         self.server = BootstrapServer()
         self.server.start()
         self._undo.append(self.server.stop)
+        # D's workers are handed the address as a string (kv_transfer_params); formatting it
+        # from the server's host on every load would be timed with the pull.
+        self.bootstrap_url = self.server.url
         config = ProducerConfig(
             side=self.p_side, profile=PDWIRE_2, fingerprint=FP, abort_timeout=480.0, caps=ALL_CAPS
         )
         self.p = BenchProducer(
             config,
             self.p_transport,
-            bootstrap_url=self.server.url,
+            bootstrap_url=self.bootstrap_url,
             engine_id=self.engine_id,
             on_free=lambda p_req, tid, reason: None,
             on_reject=lambda p_req, tid, code, msg: self._fail(f"P rejected {p_req}: {msg}"),
@@ -260,7 +263,7 @@ class Rig:
         self.p.settled()
 
     def load(self, d_req: str, tid: str, d_blocks: list[int]) -> None:
-        self.d.load([LoadRequest(d_req, tid, self.engine_id, self.server.url, [d_blocks])])
+        self.d.load([LoadRequest(d_req, tid, self.engine_id, self.bootstrap_url, [d_blocks])])
 
     def wait_loaded(self, d_req: str) -> float:
         with self._cond:
@@ -654,7 +657,7 @@ async def _queries(url: str, count: int) -> tuple[list[float], list[float]]:
 
 
 def query_case(rig: Rig, scale: Scale) -> dict[str, Any]:
-    url = rig.server.url
+    url = rig.bootstrap_url
     asyncio.run(_queries(url, 3))  # warm
     return per_item_case(
         "query", "us/query", "GET /query on an open connection", scale.query_rounds,
