@@ -20,14 +20,15 @@ from reference_connector.worker_process import _Worker
 # alternate between two halves of the pool, as consecutive requests do, and prints the minor
 # page faults of the second to fourth prompt.
 SCRIPT = """
-    import random, resource, sys
-    from reference_connector.kv_content import BlockTable, KVShape
+    import dataclasses, random, resource, sys
+    from reference_connector.kv_content import BlockTable
     from reference_connector.kv_pool import KVPool
+    from reference_connector.run import RunConfig
     from reference_connector.worker_process import keep_freed_memory
 
     if sys.argv[1] == "keep":
         assert keep_freed_memory()
-    shape = KVShape(num_layers=36, num_kv_heads=8, head_dim=128, block_size=16, num_blocks=128)
+    shape = dataclasses.replace(RunConfig().shape(), num_blocks=128)
     pool = KVPool(shape, 1, 0, 1, 0)
     ids = [random.Random(0).randrange(shape.vocab) for _ in range(1000)]
     faults = 0
