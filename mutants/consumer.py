@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import zmq
 
 from pdwire import codec, negotiation, planning
 from pdwire import consumer as consumer_module
@@ -27,7 +28,7 @@ from pdwire.roles import Role
 from pdwire.transitions import LoadState
 from pdwire.versions import CURRENT_VERSION, PDWIRE_2, Capability
 from reference_connector import bootstrap_client
-from reference_connector.consumer_agent import ConsumerAgent, _OpenPull
+from reference_connector.consumer_agent import ConsumerAgent
 
 from . import configure, mutant, replace
 from .producer_planning import keep_every_block
@@ -225,12 +226,8 @@ def _flat_block_lists() -> None:
 )
 def _pull_with_delimiter() -> None:
     def send_pull(self: ConsumerAgent, pull: Any) -> None:
-        sock = self._dealer(pull.addr)
         self._pulls_sent += 1
-        sent = asyncio.ensure_future(sock.send_multipart([b"", pull.data]))
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-        reader = asyncio.create_task(self._read(pull.pull_id, sock))
-        self._pulls[pull.pull_id] = _OpenPull(pull.addr, sock, reader)
+        self._open(pull.pull_id, pull.addr, self._dealer(pull.addr), [b"", pull.data])
 
     replace(ConsumerAgent, "_send_pull", send_pull)
 
@@ -243,18 +240,14 @@ def _pull_with_delimiter() -> None:
 )
 def _reuses_dealer() -> None:
     def send_pull(self: ConsumerAgent, pull: Any) -> None:
-        kept: dict[str, _OpenPull] = self.__dict__.setdefault("_kept", {})
-        old = kept.get(pull.addr)
-        if old is None:
-            sock = self._dealer(pull.addr)
-        else:
-            sock = old.socket
-            old.reader.cancel()
+        kept: dict[str, zmq.Socket[bytes]] = self.__dict__.setdefault("_kept", {})
+        sock = kept.get(pull.addr)
+        if sock is None:
+            sock = kept[pull.addr] = self._dealer(pull.addr)
+        else:  # the earlier pull's replies are read no more
+            self._thread.loop.remove_reader(sock.FD)
         self._pulls_sent += 1
-        sent = asyncio.ensure_future(sock.send(pull.data))
-        sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-        reader = asyncio.create_task(self._read(pull.pull_id, sock))
-        self._pulls[pull.pull_id] = kept[pull.addr] = _OpenPull(pull.addr, sock, reader)
+        self._open(pull.pull_id, pull.addr, sock, [pull.data])
 
     def close_pull(self: ConsumerAgent, pull_id: int) -> None:
         self._pulls.pop(pull_id, None)  # the socket stays open for the next pull

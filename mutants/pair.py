@@ -4,8 +4,6 @@ without decoding from the KV it was sent."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 from typing import Any
 
 import msgspec
@@ -161,12 +159,8 @@ def _d_pull_delimiter() -> None:
     from reference_connector import consumer_agent
 
     def send_pull(self: consumer_agent.ConsumerAgent, pull: Any) -> None:
-        sock = self._dealer(pull.addr)
         self._pulls_sent += 1
-        sent = asyncio.ensure_future(sock.send_multipart([b"", pull.data]))
-        sent.add_done_callback(functools.partial(consumer_agent._log_send_failure, pull.pull_id))
-        reader = asyncio.create_task(self._read(pull.pull_id, sock))
-        self._pulls[pull.pull_id] = consumer_agent._OpenPull(pull.addr, sock, reader)
+        self._open(pull.pull_id, pull.addr, self._dealer(pull.addr), [b"", pull.data])
 
     replace(consumer_agent.ConsumerAgent, "_send_pull", send_pull)
 

@@ -3,7 +3,6 @@ pdwire's producer session or agent, in the process that applies it."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -67,9 +66,7 @@ def _wrong_offset() -> None:
 )
 def _reply_delimiter() -> None:
     def send(self: producer_agent.ProducerAgent, identity: bytes, data: bytes) -> None:
-        assert self._sock is not None
-        sent = asyncio.ensure_future(self._sock.send_multipart([identity, b"", data]))
-        sent.add_done_callback(self._log_send_failure)
+        self._send_frames([identity, b"", data])
 
     replace(producer_agent.ProducerAgent, "_send", send)
 
@@ -82,13 +79,10 @@ def _reply_delimiter() -> None:
     cases=("producer/3.1/2",),
 )
 def _answers_multi_frame() -> None:
-    async def receive(self: producer_agent.ProducerAgent) -> None:
-        assert self._sock is not None
-        while True:
-            frames = [bytes(f) for f in await self._sock.recv_multipart()]
-            self._feed(MessageReceived(frames[0], frames[-1]))
+    def on_frames(self: producer_agent.ProducerAgent, frames: list[bytes]) -> None:
+        self._feed(MessageReceived(frames[0], frames[-1]))
 
-    replace(producer_agent.ProducerAgent, "_receive", receive)
+    replace(producer_agent.ProducerAgent, "_on_frames", on_frames)
 
 
 @mutant(
@@ -99,16 +93,16 @@ def _answers_multi_frame() -> None:
     cases=("producer/3.1/2",),
 )
 def _listener_exits_on_multi_frame() -> None:
-    async def receive(self: producer_agent.ProducerAgent) -> None:
-        assert self._sock is not None
-        while True:
-            frames = [bytes(f) for f in await self._sock.recv_multipart()]
-            if len(frames) != 2:
-                logger.error("mutant listener-exits-on-multi-frame: the listener exits")
-                return
-            self._feed(MessageReceived(frames[0], frames[1]))
+    serve = producer_agent.ProducerAgent._on_frames
 
-    replace(producer_agent.ProducerAgent, "_receive", receive)
+    def on_frames(self: producer_agent.ProducerAgent, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            logger.error("mutant listener-exits-on-multi-frame: the listener exits")
+            self._stop_serving()
+            return
+        serve(self, frames)
+
+    replace(producer_agent.ProducerAgent, "_on_frames", on_frames)
 
 
 @mutant(

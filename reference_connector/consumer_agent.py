@@ -20,13 +20,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Final, assert_never
 
 import zmq
-import zmq.asyncio
 
 from pdwire.consumer import ConsumerConfig, ConsumerSession
 from pdwire.events import (
@@ -80,13 +78,7 @@ OnReleased = Callable[[str], None]
 @dataclasses.dataclass
 class _OpenPull:
     addr: str
-    socket: zmq.asyncio.Socket
-    reader: asyncio.Task[None]
-
-
-def _log_send_failure(pull_id: int, sent: asyncio.Future[Any]) -> None:
-    if not sent.cancelled() and sent.exception() is not None:
-        logger.warning("pull %d: not sent: %r", pull_id, sent.exception())
+    socket: zmq.Socket[bytes]
 
 
 def _kind(message: XferMetadata | XferCancel | LeaseHeartbeat) -> str:
@@ -132,10 +124,10 @@ class ConsumerAgent:
         self._query_timeout = query_timeout
         self._thread = LoopThread(name=f"pdwire-d-{transport.session}")
         self._timer = DeadlineTimer(self._thread.loop, self._on_timer)
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._pulls: dict[int, _OpenPull] = {}
         # A DEALER connected ahead per P worker address, least recently used first.
-        self._spares: collections.OrderedDict[str, zmq.asyncio.Socket] = collections.OrderedDict()
+        self._spares: collections.OrderedDict[str, zmq.Socket[bytes]] = collections.OrderedDict()
         self._queries: set[asyncio.Task[None]] = set()
         self._closed = False
         self._pulls_sent = 0
@@ -169,13 +161,12 @@ class ConsumerAgent:
     async def _close(self) -> None:
         self._closed = True
         self._timer.cancel()
-        tasks = [*self._queries, *(p.reader for p in self._pulls.values())]
+        tasks = list(self._queries)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for pull in self._pulls.values():
-            pull.socket.close(linger=0)
-        self._pulls.clear()
+        for pull_id in list(self._pulls):
+            self._close_pull(pull_id)
         for spare in self._spares.values():
             spare.close(linger=0)
         self._spares.clear()
@@ -299,7 +290,7 @@ class ConsumerAgent:
         error = "" if entry is not None else ENGINE_NOT_FOUND.format(engine_id=engine_id, addr=addr)
         self._feed(EngineResolved(engine_id, entry, error))
 
-    def _dealer(self, addr: str) -> zmq.asyncio.Socket:
+    def _dealer(self, addr: str) -> zmq.Socket[bytes]:
         """A new DEALER connected to ``addr``; raises ``zmq.ZMQError`` for a bad address."""
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -324,7 +315,7 @@ class ConsumerAgent:
             _, oldest = self._spares.popitem(last=False)
             oldest.close(linger=0)
 
-    def _retire(self, addr: str, spare: zmq.asyncio.Socket) -> None:
+    def _retire(self, addr: str, spare: zmq.Socket[bytes]) -> None:
         """Close ``spare`` if it is still the unused DEALER of ``addr``."""
         if self._spares.get(addr) is spare:
             del self._spares[addr]
@@ -346,29 +337,38 @@ class ConsumerAgent:
             for d_req, (_, blocks) in pull.message.req_blocks.items():
                 if any(blocks):  # a release-only pull never loads
                     self._first_pull.setdefault(d_req, now)
-        sent = asyncio.ensure_future(sock.send(pull.data))
-        sent.add_done_callback(functools.partial(_log_send_failure, pull.pull_id))
-        reader = asyncio.create_task(self._read(pull.pull_id, sock), name=f"pull {pull.pull_id}")
-        self._pulls[pull.pull_id] = _OpenPull(pull.addr, sock, reader)
+        self._open(pull.pull_id, pull.addr, sock, [pull.data])
 
-    async def _read(self, pull_id: int, sock: zmq.asyncio.Socket) -> None:
+    def _open(self, pull_id: int, addr: str, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        """Send ``frames`` on ``sock`` and read its replies until the pull closes. A DEALER queues
+        a message for a connection still being made, so the send does not block."""
         try:
-            while not sock.closed:
-                frame = await sock.recv()
-                self._replies_received += 1
-                data = frame if isinstance(frame, bytes) else frame.bytes
-                self._feed(ReplyReceived(pull_id, data))
-        except zmq.ZMQError as exc:
-            if not sock.closed:
+            sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the session's receive timeout ends the pull
+            logger.warning("pull %d: not sent: %r", pull_id, exc)
+        self._pulls[pull_id] = _OpenPull(addr, sock)
+        self._thread.loop.add_reader(sock.FD, self._read, pull_id, sock)
+        # The FD signals edges: a reply already waiting would not wake the reader.
+        if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._thread.loop.call_soon(self._read, pull_id, sock)
+
+    def _read(self, pull_id: int, sock: zmq.Socket[bytes]) -> None:
+        """Feed every reply waiting on the pull's socket, until it closes."""
+        while not sock.closed:
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
                 logger.warning("pull %d: receive failed: %s", pull_id, exc)
+                return
+            self._replies_received += 1
+            self._feed(ReplyReceived(pull_id, data))
 
     def _close_pull(self, pull_id: int) -> None:
         pull = self._pulls.pop(pull_id, None)
         if pull is None:
             return
-        # The reader that fed the reply which closed its own pull sees the socket closed and
-        # returns; cancelling itself would only do the same.
-        if pull.reader is not asyncio.current_task():
-            pull.reader.cancel()
+        self._thread.loop.remove_reader(pull.socket.FD)
         pull.socket.close(linger=0)
         self._thread.loop.call_soon(self._restock, pull.addr)

@@ -10,7 +10,6 @@ monotonic clock as ``now``.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import dataclasses
@@ -21,7 +20,6 @@ from collections.abc import Callable
 from typing import Any, assert_never
 
 import zmq
-import zmq.asyncio
 
 from pdwire.events import (
     FreeBlocks,
@@ -54,6 +52,8 @@ logger = logging.getLogger(__name__)
 SLOW_WRITE_S = 5.0
 #: How many completed batch writes ``recent_writes`` keeps.
 RECENT_WRITES = 256
+#: How many messages one turn of the loop takes from the ROUTER before other work runs.
+RECEIVE_BATCH = 64
 
 #: ``on_free(p_req_id, transfer_id, reason)``: P may free the request's blocks now.
 OnFree = Callable[[str, str, FreeReason], None]
@@ -144,9 +144,9 @@ class ProducerAgent:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=sender_threads, thread_name_prefix="pdwire-p-sender"
         )
-        self._ctx: zmq.asyncio.Context | None = None
-        self._sock: zmq.asyncio.Socket | None = None
-        self._receiver: asyncio.Task[None] | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._serving = False
         self._address = ""
         self._closed = False
         self._counted = threading.Condition()
@@ -187,7 +187,7 @@ class ProducerAgent:
         self._serve()
 
     def _bind(self) -> None:
-        self._ctx = zmq.asyncio.Context()
+        self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         host = _endpoint_host(self._host)
@@ -214,7 +214,10 @@ class ProducerAgent:
             ) from exc
 
     def _serve(self) -> None:
-        self._receiver = asyncio.create_task(self._receive(), name=f"receive {self._address}")
+        assert self._sock is not None
+        self._serving = True
+        self._thread.loop.add_reader(self._sock.FD, self._receive)
+        self._thread.loop.call_soon(self._receive)  # pulls that came before registration
         logger.info("P worker %s serving at %s", self._describe(), self._address)
 
     def _describe(self) -> str:
@@ -258,9 +261,7 @@ class ProducerAgent:
     async def _close(self) -> None:
         self._closed = True
         self._timer.cancel()
-        if self._receiver is not None:
-            self._receiver.cancel()
-            await asyncio.gather(self._receiver, return_exceptions=True)
+        self._stop_serving()
         if self._ctx is not None:
             self._ctx.destroy(linger=0)
 
@@ -326,21 +327,45 @@ class ProducerAgent:
 
     # -- the loop thread ---------------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        assert self._sock is not None
-        while True:
-            frames = await self._sock.recv_multipart()
-            if len(frames) != 2:
-                logger.warning(
-                    "%s: dropped a message of %d frames (3.1-R5)", self._address, len(frames)
-                )
-                continue
-            identity, data = (f if isinstance(f, bytes) else f.bytes for f in frames)
-            with self._counted:
-                self._pulls_received += 1
-                self._counted.notify_all()
-            self.counts.inc("pdwire_p_messages_received_total")
-            self._feed(MessageReceived(identity, data))
+    def _receive(self) -> None:
+        """Take every message waiting on the ROUTER. Its FD signals edges, not levels: it is
+        readable again only once the socket has been drained, so one call takes them all, up to
+        ``RECEIVE_BATCH`` before it yields the loop to other work and comes back."""
+        sock = self._sock
+        for _ in range(RECEIVE_BATCH):
+            if not self._serving or sock is None:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:  # the socket is closing
+                logger.warning("%s: receive failed: %r", self._address, exc)
+                return
+            try:
+                self._on_frames(frames)
+            except Exception:  # the messages behind this one must still be taken
+                logger.exception("%s: a message was not handled", self._address)
+        self._thread.loop.call_soon(self._receive)
+
+    def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            logger.warning(
+                "%s: dropped a message of %d frames (3.1-R5)", self._address, len(frames)
+            )
+            return
+        identity, data = frames
+        with self._counted:
+            self._pulls_received += 1
+            self._counted.notify_all()
+        self.counts.inc("pdwire_p_messages_received_total")
+        self._feed(MessageReceived(identity, data))
+
+    def _stop_serving(self) -> None:
+        """Take no more messages from the ROUTER (replies may still be sent)."""
+        if self._serving and self._sock is not None:
+            self._thread.loop.remove_reader(self._sock.FD)
+        self._serving = False
 
     def _on_timer(self) -> None:
         self._feed(TimePassed())
@@ -372,13 +397,19 @@ class ProducerAgent:
                 assert_never(output)
 
     def _send(self, identity: bytes, data: bytes) -> None:
-        assert self._sock is not None
-        sent = asyncio.ensure_future(self._sock.send_multipart([identity, data]))
-        sent.add_done_callback(self._log_send_failure)
+        self._send_frames([identity, data])
 
-    def _log_send_failure(self, sent: asyncio.Future[Any]) -> None:
-        if not sent.cancelled() and sent.exception() is not None:
-            logger.warning("%s: reply not sent: %r", self._address, sent.exception())
+    def _send_frames(self, frames: list[bytes]) -> None:
+        """Send at once: a ROUTER never blocks a send (it drops a message to a peer that is gone
+        or whose queue is full). A send may take the FD's edge for messages already waiting, so
+        the receive looks again."""
+        assert self._sock is not None
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("%s: reply not sent: %r", self._address, exc)
+        if self._serving and int(self._sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            self._thread.loop.call_soon(self._receive)
 
     def _start_write(self, write: StartWrite) -> None:
         """Start ``write`` now, or right after the writes queued to the same D worker. Batches
