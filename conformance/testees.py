@@ -336,16 +336,17 @@ def fork_command(
     args: Sequence[str], environ: dict[str, str], log: Path, *, session: bool = False
 ) -> warm_start.ForkedProcess | None:
     """The reference node or proxy of command ``args`` (``PDWIRE_COMMAND``, one of ``FORKED``
-    and its options) forked from a warm process (``warm_start``), in a session of its own with
-    ``session``; None when ``args`` is another command, or warm starts are off or fail (with a
-    line on stderr): the caller runs the command."""
+    and its options) forked from a warm process (``warm_start``) that has imported
+    ``NODE_MODULES`` and the modules ``environ`` names (``warm_start.MODULES_ENV``), in a session
+    of its own with ``session``; None when ``args`` is another command, or warm starts are off
+    or fail (with a line on stderr): the caller runs the command."""
     n = len(PDWIRE_COMMAND)
     if tuple(args[:n]) != PDWIRE_COMMAND or len(args) <= n or args[n] not in FORKED:
         return None
     if not warm_start.enabled():
         return None
     try:
-        starter = warm_start.starter(NODE_MODULES)
+        starter = warm_start.starter((*NODE_MODULES, *warm_start.modules_named(environ)))
         return starter.start([*args[2:], *FORKED[args[n]]], environ, log, session=session)
     except warm_start.WarmStartError as exc:
         print(f"pdwire conformance: {exc}; starting the {args[n]} as a command", file=sys.stderr)

@@ -37,6 +37,9 @@ from typing import Any, Final
 
 #: Set to "0", the harness starts its reference nodes as commands, each importing its modules.
 ENV: Final = "PDWIRE_WARM_START"
+#: In a node's environment, more modules (comma-separated) for its starter to import: a node
+#: whose agent imports a heavy package (vLLM) forks from a starter that has imported it.
+MODULES_ENV: Final = "PDWIRE_WARM_MODULES"
 #: How long the starter may take to import its modules and listen.
 READY_S: Final = 120.0
 
@@ -143,6 +146,10 @@ class Starter:
         process.pid = int(line)
         return process
 
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
     def close(self) -> None:
         self._process.kill()
         self._process.wait()
@@ -155,6 +162,11 @@ _starters: dict[tuple[str, ...], Starter] = {}
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
+
+
+def modules_named(env: dict[str, str]) -> tuple[str, ...]:
+    """The modules ``env`` names in ``MODULES_ENV``."""
+    return tuple(m for m in (n.strip() for n in env.get(MODULES_ENV, "").split(",")) if m)
 
 
 def starter(modules: Sequence[str]) -> Starter:

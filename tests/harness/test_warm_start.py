@@ -98,6 +98,24 @@ def test_reference_nodes_are_forked_unless_warm_start_is_off(
         command.stop()
 
 
+def test_a_node_forks_from_a_starter_of_the_modules_its_environment_names() -> None:
+    """``PDWIRE_WARM_MODULES`` in a node's environment: the node forks from a starter that has
+    imported them beside the node's own modules."""
+    assert warm_start.modules_named({warm_start.MODULES_ENV: " wave, ,colorsys "}) == (
+        "wave",
+        "colorsys",
+    )
+    assert warm_start.modules_named({}) == ()
+    node = testees.start_node("decode", env={warm_start.MODULES_ENV: "wave,colorsys"})
+    try:
+        assert isinstance(node.process, warm_start.ForkedProcess)
+        starter = warm_start.starter((*testees.NODE_MODULES, "wave", "colorsys"))
+        stat = Path(f"/proc/{node.process.pid}/stat").read_text()
+        assert int(stat.rpartition(")")[2].split()[1]) == starter.pid  # its parent
+    finally:
+        node.stop()
+
+
 def test_env_before_a_template_command_joins_its_environment() -> None:
     args = ["env", "A=1", "B=x=y", sys.executable, "-m", "pdwire", "node", "--port", "1"]
     assert command._without_env(args, {"A": "0", "C": "2"}) == (

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+from conformance import warm_start
+
 from . import releases, vllm_agent
 
 REPO: Final = Path(__file__).resolve().parents[2]
@@ -51,7 +53,11 @@ def _node(role: str, release: str) -> dict[str, Any]:
         "url": "http://{host}:{port}",
         "ready": ["{url}/health"],
         # the node's worker processes import the agent from the repository
-        "env": {"PYTHONPATH": str(REPO), "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(ABORT_S)},
+        "env": {
+            "PYTHONPATH": str(REPO),
+            "VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(ABORT_S),
+            warm_start.MODULES_ENV: vllm_agent.WARM_MODULES,
+        },
     }
     if role == "prefill":
         if releases.takes_bootstrap_address(release):  # the node serves one, vLLM registers

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance import cli, testees
+from conformance import cli, testees, warm_start
 from conformance.case import all_cases
 from pdwire.roles import Role
 from tests import suite_report, worker_lock
 
-from . import releases
+from . import releases, vllm_agent
 
 pytestmark = [pytest.mark.vllm, pytest.mark.conformance]
 pytest.importorskip("vllm")
@@ -51,7 +51,7 @@ def _node(role: Role, release: str, *extra: str) -> testees.Testee:
         geometry=GEOMETRY,
         # The node is another process: it imports the agent from the repository root.
         extra=("--agent", f"tests.interop.vllm_agent:{AGENTS[release]}", *extra),
-        env={"PYTHONPATH": REPO},
+        env={"PYTHONPATH": REPO, warm_start.MODULES_ENV: vllm_agent.WARM_MODULES},
         abort_timeout=ABORT,
         timeout=300.0,
     )
