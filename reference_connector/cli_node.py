@@ -14,7 +14,7 @@ from pdwire.versions import LEGACY, PDWIRE_2
 
 from .cli_common import add_key_options, read_keys, serve, standalone
 from .dp_placement import LOAD_BALANCING, LOOPBACK, DataParallel
-from .worker_spec import WORKER_STARTS
+from .worker_spec import WORKER_START_HELP, WORKER_STARTS
 
 if TYPE_CHECKING:  # torch, the workers and the server load only when the command runs
     from .node_api import NodeServer
@@ -165,10 +165,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--worker-start",
         choices=WORKER_STARTS,
         default="spawn",
-        help="how the workers start: 'spawn' (a new interpreter for a node of one worker; "
-        "a forkserver that loads their modules once for several), or 'fork' from this "
-        "process, quick where it has loaded the workers' modules already (the conformance "
-        "harness forks its reference nodes from a process that has)",
+        help=WORKER_START_HELP,
     )
     add_key_options(
         p,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from pdwire.session import check_lease
 from pdwire.versions import LEGACY, PDWIRE_2
 
+from .worker_spec import WORKER_START_HELP, WORKER_STARTS
+
 if TYPE_CHECKING:  # the deployment's modules load only when it runs: they bring torch
     from .run import Report
     from .soak import SoakReport
@@ -151,6 +153,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="how long both pools may take to empty after the last request (default: "
         "--abort-timeout + 10)",
     )
+    p.add_argument("--worker-start", choices=WORKER_STARTS, default="spawn", help=WORKER_START_HELP)
     p.add_argument(
         "--raw-repeats",
         type=int,
@@ -211,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             decode_agent=args.decode_agent,
             abort_timeout=args.abort_timeout or (_SOAK_ABORT_TIMEOUT if soaking else 480.0),
             kv_lease_duration=args.kv_lease_duration,
+            worker_start=args.worker_start,
         )
         soak_config = (
             soak.SoakConfig(

@@ -90,6 +90,7 @@ from .node import NodeConfig
 from .node_api import NodeServer
 from .proxy import Prefill, Proxy, ProxyServer
 from .run_tax import WRITE_TARGET, Tax, overhead_ms, write_gbps, write_ms
+from .worker_spec import WorkerStart
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class RunConfig:
     abort_timeout: float = 480.0  # both nodes' T (§6)
     receive_timeout: float | None = None  # D's, per pull; None = abort_timeout + 60
     kv_lease_duration: float | None = None  # both nodes' lease (§6.4); None = no lease
+    worker_start: WorkerStart = "spawn"  # how both nodes start their workers (node_worker)
 
     def __post_init__(self) -> None:
         for name in ("requests", "concurrency", "prompt_tokens", "max_tokens", "raw_repeats"):
@@ -355,6 +357,7 @@ class Deployment:
                 abort_timeout=c.abort_timeout,
                 receive_timeout=c.receive_timeout,
                 kv_lease_duration=c.kv_lease_duration,
+                worker_start=c.worker_start,
             )
         )
         if role == "prefill":
@@ -368,12 +371,18 @@ class Deployment:
         return node
 
     def start(self) -> None:
-        """P and D side by side (neither needs the other to start), then the proxy."""
+        """P and D side by side (neither needs the other to start), then the proxy. Workers
+        forked from this process start one node after the other: a fork copies only the thread
+        that forks, and one node's start should not be half done in another thread then."""
         c = self.config
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdwire-start") as pool:
-            starting = pool.submit(self._node, "prefill", c.prefill_tp, c.prefill_pp)
+        if c.worker_start == "fork":
+            p = self._node("prefill", c.prefill_tp, c.prefill_pp)
             d = self._node("decode", c.decode_tp, c.decode_pp)
-            p = starting.result()
+        else:
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdwire-start") as p_:
+                starting = p_.submit(self._node, "prefill", c.prefill_tp, c.prefill_pp)
+                d = self._node("decode", c.decode_tp, c.decode_pp)
+                p = starting.result()
         prefill = Prefill(p.url, p.engine.bootstrap_url)
         self.proxy = ProxyServer(
             [prefill],
@@ -873,13 +882,23 @@ def run_deployment(config: RunConfig, progress: Progress | None = None) -> Repor
 @contextlib.contextmanager
 def deployed(config: RunConfig, progress: Progress) -> Iterator[tuple[Deployment, list[Case]]]:
     """The started deployment and the ``config.requests`` cases (their expected texts computed
-    in threads while the nodes start); everything is stopped on the way out."""
+    in threads while the nodes start, or, when the workers fork from this process, once they
+    have: the threads' torch ops are not to be mid-way in a fork); everything is stopped on the
+    way out."""
     threads = min(os.cpu_count() or 1, config.requests, 4)
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="pdwire-expected")
+    futures: list[concurrent.futures.Future[Case]] = []
+
+    def compute() -> None:
+        futures.extend(pool.submit(make_case, config, i) for i in range(config.requests))
+
     try:
-        futures = [pool.submit(make_case, config, i) for i in range(config.requests)]
+        if config.worker_start != "fork":
+            compute()
         with Deployment(config, progress) as deployment:
             deployment.start()
+            if not futures:
+                compute()
             with step(progress, f"expected texts ({threads} threads, in-process reference)"):
                 cases = [f.result() for f in futures]
             yield deployment, cases

@@ -16,6 +16,13 @@ from .kv_content import KVShape
 #: How a node's front starts its workers (``node_worker._context``).
 WorkerStart = Literal["spawn", "fork"]
 WORKER_STARTS: Final = get_args(WorkerStart)
+#: What ``--worker-start`` means, in the help of the commands that take it.
+WORKER_START_HELP: Final = (
+    "how the workers start: 'spawn' (a new interpreter for a node of one worker; a forkserver "
+    "that loads their modules once for several), or 'fork' from this process, quick where it "
+    "has loaded the workers' modules already (the conformance harness forks its reference "
+    "nodes from a process that has)"
+)
 
 POLL_S = 0.5  # how often a pipe reader looks up from its pipe
 

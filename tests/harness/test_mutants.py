@@ -1,5 +1,5 @@
 """Every mutant of the reference testee is caught: with it, each case that names it fails
-(``python -m mutants check --jobs 3``: three groups of mutants side by side, each
+(``python -m mutants check --jobs 6``: six groups of mutants side by side, each
 switched on and off in testbeds of its own; a mutant that survives that is run again on a node of
 its own)."""
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.conformance
 
 def test_every_mutant_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     report = tmp_path / "mutants.json"
-    code = main(["check", "--jobs", "3", "--json", str(report)])
+    code = main(["check", "--jobs", "6", "--json", str(report)])
     out, err = capsys.readouterr()
     assert report.exists(), err  # the check ran to its end
     rows = json.loads(report.read_text())

@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from pdwire import cli
 from reference_connector import cli_run, run
 from reference_connector.kv_content import KVShape
+from reference_connector.node import NodeConfig
 from reference_connector.transport import explain_import_error
 
 SMALL = [
@@ -129,6 +131,35 @@ def test_a_wrong_text_fails_the_run(
     assert "failed requests:" in out and "text differs" in out
 
 
+class _Recorded(Exception):
+    pass
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_both_nodes_start_their_workers_as_told(
+    start: run.WorkerStart, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``--worker-start fork``, P's node starts alone, before D's; spawned, D's starts
+    beside it. A stand-in for the node server records each config and starts nothing."""
+    seen: list[tuple[str, str]] = []
+    d_started = threading.Event()
+
+    def record(config: NodeConfig) -> NoReturn:
+        seen.append((config.role, config.worker_start))
+        if config.role == "decode":
+            d_started.set()
+        elif start == "spawn":
+            assert d_started.wait(10.0), "D's node did not start beside P's"
+        raise _Recorded
+
+    monkeypatch.setattr(run, "NodeServer", record)
+    deployment = run.Deployment(run.RunConfig(worker_start=start), run.Progress())
+    with pytest.raises(_Recorded):
+        deployment.start()
+    expected = [("prefill", start)] if start == "fork" else [("decode", start), ("prefill", start)]
+    assert sorted(seen) == expected
+
+
 def test_bad_geometry_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_run.main(["--decode-tp", "3"]) == cli_run.EXIT_USAGE
     assert "TP 3 must divide the 8 KV heads" in capsys.readouterr().err
@@ -155,5 +186,5 @@ def test_pdwire_run_help(
         cli.main(["run", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for option in ("--requests", "--concurrency", "--prefill-pp", "--profile", "--json"):
+    for option in ("--requests", "--concurrency", "--prefill-pp", "--worker-start", "--json"):
         assert option in out

@@ -10,12 +10,15 @@ completion, and both pools must be empty at the end.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import pytest
 
-from reference_connector import cli_run, run
+from conformance import testees, warm_start
+from reference_connector import run
 from reference_connector.kv_content import KVShape
 
 pytestmark = pytest.mark.vllm
@@ -24,8 +27,9 @@ pytest.importorskip("mooncake.engine")
 
 from . import releases, vllm_agent  # noqa: E402
 
-AGENT = f"{vllm_agent.__name__}:agent"
-AGENT_034 = f"{vllm_agent.__name__}:agent_034"
+# Named from the repository root, on the forked process's PYTHONPATH.
+AGENT = "tests.interop.vllm_agent:agent"
+AGENT_034 = "tests.interop.vllm_agent:agent_034"
 # vLLM's CPU attention backend takes blocks of a multiple of 32 tokens.
 SMALL = [
     *("--layers", "4", "--kv-heads", "8", "--head-dim", "16", "--block-size", "32"),
@@ -33,6 +37,17 @@ SMALL = [
     *("--raw-repeats", "2", "--timeout", "60"),
 ]
 SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=32)
+REPO: Final = str(Path(__file__).resolve().parents[2])
+#: Each deployment is ``pdwire run`` forked from a warm starter that has imported the
+#: deployment's modules and vLLM's, and its workers fork from it in turn (``--worker-start
+#: fork``): a worker would otherwise import vLLM, about 11 s of CPU, in each deployment.
+RUN_MODULES: Final = (
+    *testees.NODE_MODULES,
+    "reference_connector.cli_run",
+    "reference_connector.run",
+    *vllm_agent.WARM_MODULES.split(","),
+)
+RUN_TIMEOUT_S: Final = 300.0
 
 
 @pytest.mark.parametrize(
@@ -54,14 +69,21 @@ SHAPE = KVShape(num_layers=4, num_kv_heads=8, head_dim=16, block_size=32)
         ),
     ],
 )
-def test_vllm_worker_interoperates(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: tuple[str, ...]
-) -> None:
+def test_vllm_worker_interoperates(tmp_path: Path, extra: tuple[str, ...]) -> None:
     if AGENT_034 in extra:
         releases.source_dir("0.34.0")  # fetched here, before the nodes' workers load it
-    path = tmp_path / "run.json"
-    code = cli_run.main([*SMALL, *extra, "--json", str(path)])
-    out, _ = capsys.readouterr()
+    path, log = tmp_path / "run.json", tmp_path / "run.log"
+    log.touch()
+    argv = ["pdwire", "run", *SMALL, *extra, "--worker-start", "fork", "--json", str(path)]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    process = warm_start.starter(RUN_MODULES).start(argv, env, log, session=True)
+    try:
+        code = process.wait(RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    out = log.read_text(errors="replace")
+    assert path.exists(), out
     report: dict[str, Any] = json.loads(path.read_text())
     assert code == 0, out
     assert report["requests"] == report["verified"] == 3 and report["failed"] == 0
