@@ -379,8 +379,10 @@ class Deployment:
             p = self._node("prefill", c.prefill_tp, c.prefill_pp)
             d = self._node("decode", c.decode_tp, c.decode_pp)
         else:
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdwire-start") as p_:
-                starting = p_.submit(self._node, "prefill", c.prefill_tp, c.prefill_pp)
+            with concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="pdwire-start"
+            ) as pool:
+                starting = pool.submit(self._node, "prefill", c.prefill_tp, c.prefill_pp)
                 d = self._node("decode", c.decode_tp, c.decode_pp)
                 p = starting.result()
         prefill = Prefill(p.url, p.engine.bootstrap_url)
