@@ -889,18 +889,17 @@ def deployed(config: RunConfig, progress: Progress) -> Iterator[tuple[Deployment
     way out."""
     threads = min(os.cpu_count() or 1, config.requests, 4)
     pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="pdwire-expected")
-    futures: list[concurrent.futures.Future[Case]] = []
+    forks = config.worker_start == "fork"
 
-    def compute() -> None:
-        futures.extend(pool.submit(make_case, config, i) for i in range(config.requests))
+    def compute() -> list[concurrent.futures.Future[Case]]:
+        return [pool.submit(make_case, config, i) for i in range(config.requests)]
 
     try:
-        if config.worker_start != "fork":
-            compute()
+        futures = [] if forks else compute()
         with Deployment(config, progress) as deployment:
             deployment.start()
-            if not futures:
-                compute()
+            if forks:
+                futures = compute()
             with step(progress, f"expected texts ({threads} threads, in-process reference)"):
                 cases = [f.result() for f in futures]
             yield deployment, cases
