@@ -42,8 +42,15 @@ CHAINS: Final = (
         "tests/vllm_connector/test_e2e.py",
     ),
 )
+#: Modules that run next, before the rest in their order: long ones whose tests mostly wait,
+#: so that they run beside the busy middle of the run, not alone at its end. Each test of
+#: vLLM's worker code in one process (``test_worker.py``) waits about a second for each
+#: transfer engine it destroys: 35 s for the module, which ran last, its worker alone for its
+#: last 35 s.
+NEXT: Final = ("tests/vllm_connector/test_worker.py",)
 _RANK: Final = {path: i for i, path in enumerate(p for chain in CHAINS for p in chain)}
 _CHAIN_OF: Final = {path: i for i, chain in enumerate(CHAINS) for path in chain}
+_NEXT_RANK: Final = {path: len(_RANK) + i for i, path in enumerate(NEXT)}
 
 
 def _chained(module: str) -> str | None:
@@ -63,7 +70,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: _RANK.get(_chained(_module(item.nodeid)) or "", len(_RANK)))
+    items.sort(key=lambda item: _rank(_module(item.nodeid)))
+
+
+def _rank(module: str) -> int:
+    """Where ``module`` runs: by its chain, then ``NEXT``, then every other module."""
+    chained = _chained(module)
+    if chained is not None:
+        return _RANK[chained]
+    return _NEXT_RANK.get(module, len(_RANK) + len(NEXT))
 
 
 @pytest.fixture(autouse=True)

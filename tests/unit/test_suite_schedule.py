@@ -29,7 +29,7 @@ def test_a_chains_modules_are_one_unit_and_other_modules_their_own() -> None:
     assert conftest.unit_of("tests/unit/test_cli.py::test_help") == "tests/unit/test_cli.py"
 
 
-def test_the_chains_run_first_in_their_order() -> None:
+def test_the_chains_run_first_in_their_order_then_the_next_modules() -> None:
     chained = [m for chain in conftest.CHAINS for m in chain]
     # a folder's modules keep the order pytest collected them in
     modules = [f"{m}test_b.py" if m.endswith("/") else m for m in chained]
@@ -43,9 +43,11 @@ def test_the_chains_run_first_in_their_order() -> None:
     # the folder's two modules in the order collected, every other path reversed
     others = [m for m in modules if not m.startswith(chained[folder])]
     ours = [m for m in modules if m.startswith(chained[folder])]
-    items = [Item(f"{m}::test") for m in ["tests/unit/test_cli.py", *ours, *others[::-1]]]
+    collected = ["tests/unit/test_cli.py", *conftest.NEXT[::-1], *ours, *others[::-1]]
+    items = [Item(f"{m}::test") for m in collected]
     conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
-    assert [i.nodeid.split("::")[0] for i in items] == [*modules, "tests/unit/test_cli.py"]
+    expected = [*modules, *conftest.NEXT, "tests/unit/test_cli.py"]
+    assert [i.nodeid.split("::")[0] for i in items] == expected
 
 
 HOLD = """
