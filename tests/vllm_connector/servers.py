@@ -130,10 +130,15 @@ class Server:
         self._nice = nice
         with suppress(OSError):
             Path(f"/proc/{self.proc.pid}/autogroup").write_text(str(nice))
-        for pid in process_tree(self.proc.pid):
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                with suppress(ProcessLookupError, FileNotFoundError):
-                    os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+        for task in self._threads():
+            with suppress(ProcessLookupError, FileNotFoundError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+    def _threads(self) -> list[Path]:
+        """``/proc/PID/task/TID`` of every thread of its processes."""
+        return [
+            t for pid in process_tree(self.proc.pid) for t in Path(f"/proc/{pid}/task").glob("*")
+        ]
 
     def _lines(self) -> list[str]:
         try:
@@ -168,7 +173,7 @@ class Server:
             total = 0
             for pid in process_tree(self.proc.pid):
                 with suppress(OSError, ValueError, IndexError):
-                    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                    stat = _stat(Path(f"/proc/{pid}"))
                     total += int(stat[11]) + int(stat[12])  # utime, stime
             return total
 
@@ -182,10 +187,9 @@ class Server:
         found: set[int] = set()
         with suppress(OSError, ValueError):
             found.add(int(Path(f"/proc/{self.proc.pid}/autogroup").read_text().split()[-1]))
-        for pid in process_tree(self.proc.pid):
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                with suppress(OSError, ValueError, IndexError):
-                    found.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        for task in self._threads():
+            with suppress(OSError, ValueError, IndexError):
+                found.add(int(_stat(task)[16]))
         return found
 
     def report(self) -> str:
@@ -223,6 +227,12 @@ class Server:
                 self.proc.wait(STOP_TIMEOUT_S)
         with suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _stat(proc: Path) -> list[str]:
+    """The fields of ``proc``'s ``stat`` (a process's or a thread's folder in ``/proc``) after
+    its command name, which may hold spaces: ``[0]`` is the state, ``[16]`` the niceness."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()
 
 
 def wait_healthy(servers: list[Server], timeout: float = START_TIMEOUT_S) -> None:
